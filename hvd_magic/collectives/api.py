@@ -1,0 +1,375 @@
+"""Horovod's collectives on numpy arrays and CPU torch tensors.
+
+Each collective is called by every rank with a tensor of its own; each has an
+``_async`` twin returning a handle for :func:`poll` / :func:`synchronize`.
+Tensors are matched across ranks by ``name`` (generated from the call order when
+not given, so unnamed calls must come in the same order on every rank).
+"""
+from __future__ import annotations
+
+import itertools
+import pickle
+import threading
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from . import ops
+from .engine import Handle
+from .ops import Average, ReduceOp
+from .plan import Ann
+from .state import _require, engine
+
+_counters: dict[str, itertools.count] = {}
+_counter_lock = threading.Lock()
+
+
+def _name(kind: str, name: Optional[str]) -> str:
+    if name is not None:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"name must be a non-empty string, got {name!r}")
+        return name
+    with _counter_lock:
+        c = _counters.setdefault(kind, itertools.count())
+        return f"{kind}.noname.{next(c)}"
+
+
+def _check_tensor(tensor: Any, what: str) -> tuple:
+    if not (isinstance(tensor, np.ndarray) or ops.is_torch(tensor)):
+        raise TypeError(f"{what} takes a numpy array or a torch tensor, not {type(tensor).__name__}")
+    return ops.dtype_name(tensor), tuple(tensor.shape), ops.device_of(tensor)
+
+
+def _factor(x: Any, label: str) -> float:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        raise TypeError(f"{label} must be a number, got {x!r}") from None
+
+
+# ---------------------------------------------------------------- allreduce
+
+def allreduce_async(tensor: Any, name: Optional[str] = None, op: Any = Average,
+                    prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """Start an allreduce; see :func:`allreduce`."""
+    return _allreduce_async(tensor, None, name, op, prescale_factor, postscale_factor)
+
+
+def allreduce_async_(tensor: Any, name: Optional[str] = None, op: Any = Average,
+                     prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """In-place :func:`allreduce_async`: the result is written into ``tensor``."""
+    return _allreduce_async(tensor, tensor, name, op, prescale_factor, postscale_factor)
+
+
+def _allreduce_async(tensor, out, name, op, prescale, postscale, urgent=False) -> Handle:
+    dtype, shape, device = _check_tensor(tensor, "allreduce")
+    op = ops.to_op(op)
+    ops.check_op_dtype(op, dtype)
+    ann = Ann(_name("allreduce", name), "allreduce", dtype, shape, int(op), -1,
+              _factor(prescale, "prescale_factor"), _factor(postscale, "postscale_factor"), device)
+    return engine().submit(ann, tensor, out, urgent=urgent)
+
+
+def allreduce(tensor: Any, name: Optional[str] = None, op: Any = Average,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
+    """Reduce ``tensor`` over all ranks; every rank gets the result (a new tensor).
+
+    ``op`` is Average (default), Sum, Min, Max or Product. The input is multiplied by
+    ``prescale_factor`` before and the result by ``postscale_factor`` after the reduction.
+    Integer Average rounds down; float16/bfloat16 are reduced in float32.
+
+    Example, 2 ranks::
+
+        rank 0: allreduce(np.array([1., 2.]))            -> [2., 3.]
+        rank 1: allreduce(np.array([3., 4.]))            -> [2., 3.]
+        rank 0: allreduce(np.array([1., 2.]), op=hvd.Sum) -> [4., 6.]
+    """
+    return _allreduce_async(tensor, None, name, op, prescale_factor, postscale_factor, True).wait()
+
+
+def allreduce_(tensor: Any, name: Optional[str] = None, op: Any = Average,
+               prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
+    """In-place :func:`allreduce`: ``tensor`` holds the result and is returned."""
+    return _allreduce_async(tensor, tensor, name, op, prescale_factor, postscale_factor, True).wait()
+
+
+def grouped_allreduce_async(tensors: Sequence[Any], name: Optional[str] = None, op: Any = Average,
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
+    """Start allreduces of a list of tensors negotiated together (and fused); returns handles."""
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError("grouped_allreduce takes a list of tensors")
+    base = _name("grouped_allreduce", name)
+    return [_allreduce_async(t, None, f"{base}.{i}", op, prescale_factor, postscale_factor)
+            for i, t in enumerate(tensors)]
+
+
+def grouped_allreduce(tensors: Sequence[Any], name: Optional[str] = None, op: Any = Average,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
+    """:func:`allreduce` of each tensor in the list, as one fused reduction where they fit.
+
+    Example, 2 ranks::
+
+        rank 0: grouped_allreduce([np.ones(2), np.zeros(3)])   -> [ones(2)*2, ...] with op=Sum
+    """
+    return [h.wait() for h in grouped_allreduce_async(tensors, name, op, prescale_factor, postscale_factor)]
+
+
+def grouped_allreduce_(tensors: Sequence[Any], name: Optional[str] = None, op: Any = Average,
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
+    """In-place :func:`grouped_allreduce`."""
+    base = _name("grouped_allreduce", name)
+    hs = [_allreduce_async(t, t, f"{base}.{i}", op, prescale_factor, postscale_factor)
+          for i, t in enumerate(tensors)]
+    return [h.wait() for h in hs]
+
+
+# ---------------------------------------------------------------- allgather
+
+def allgather_async(tensor: Any, name: Optional[str] = None) -> Handle:
+    dtype, shape, device = _check_tensor(tensor, "allgather")
+    if shape == ():
+        tensor = tensor.reshape(1)
+        shape = (1,)
+    return engine().submit(Ann(_name("allgather", name), "allgather", dtype, shape, device=device), tensor)
+
+
+def allgather(tensor: Any, name: Optional[str] = None) -> Any:
+    """Concatenate every rank's tensor along the first dimension (which may differ by rank).
+
+    Example, 2 ranks::
+
+        rank 0: allgather(np.array([[1, 2]]))          -> [[1, 2], [3, 4], [5, 6]]
+        rank 1: allgather(np.array([[3, 4], [5, 6]]))  -> [[1, 2], [3, 4], [5, 6]]
+    """
+    return allgather_async(tensor, name).wait()
+
+
+# ---------------------------------------------------------------- broadcast
+
+def _check_root(root_rank: Any) -> int:
+    if isinstance(root_rank, bool) or not isinstance(root_rank, (int, np.integer)):
+        raise TypeError(f"root_rank must be an int, got {root_rank!r}")
+    n = _require().size
+    if not 0 <= int(root_rank) < n:
+        raise ValueError(f"root_rank={root_rank} is out of range: there are {n} ranks (0..{n - 1})")
+    return int(root_rank)
+
+
+def broadcast_async(tensor: Any, root_rank: int, name: Optional[str] = None) -> Handle:
+    dtype, shape, device = _check_tensor(tensor, "broadcast")
+    ann = Ann(_name("broadcast", name), "broadcast", dtype, shape, root=_check_root(root_rank), device=device)
+    return engine().submit(ann, tensor)
+
+
+def broadcast_async_(tensor: Any, root_rank: int, name: Optional[str] = None) -> Handle:
+    dtype, shape, device = _check_tensor(tensor, "broadcast")
+    ann = Ann(_name("broadcast", name), "broadcast", dtype, shape, root=_check_root(root_rank), device=device)
+    return engine().submit(ann, tensor, out=tensor)
+
+
+def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None) -> Any:
+    """Every rank gets a copy of ``root_rank``'s tensor (shapes and dtypes must match).
+
+    Example, 2 ranks::
+
+        rank 0: broadcast(np.array([1, 2]), root_rank=0)  -> [1, 2]
+        rank 1: broadcast(np.array([0, 0]), root_rank=0)  -> [1, 2]
+    """
+    return broadcast_async(tensor, root_rank, name).wait()
+
+
+def broadcast_(tensor: Any, root_rank: int, name: Optional[str] = None) -> Any:
+    """In-place :func:`broadcast`: ``tensor`` is overwritten with the root's values."""
+    return broadcast_async_(tensor, root_rank, name).wait()
+
+
+# ---------------------------------------------------------------- alltoall
+
+def alltoall_async(tensor: Any, splits: Any = None, name: Optional[str] = None) -> Handle:
+    dtype, shape, device = _check_tensor(tensor, "alltoall")
+    n = _require().size
+    if shape == ():
+        raise ValueError("alltoall needs a tensor with at least one dimension")
+    if splits is None:
+        if shape[0] % n:
+            raise ValueError(f"alltoall without splits needs the first dimension ({shape[0]}) to be "
+                             f"divisible by the number of ranks ({n}); pass splits=[rows per rank]")
+        sp = tuple([shape[0] // n] * n)
+    else:
+        sp = tuple(int(s) for s in (splits.tolist() if hasattr(splits, "tolist") else splits))
+        if len(sp) != n or any(s < 0 for s in sp) or sum(sp) != shape[0]:
+            raise ValueError(f"alltoall splits={list(sp)} must have {n} non-negative entries summing "
+                             f"to the first dimension ({shape[0]})")
+    give_splits = splits is not None
+    like = tensor
+
+    def post(result: Any, received: Any) -> Any:
+        if not give_splits:
+            return result
+        recv = np.asarray(received, dtype=np.int32)
+        return result, ops.wrap_like(recv, "int32", like) if ops.is_torch(like) else recv
+
+    ann = Ann(_name("alltoall", name), "alltoall", dtype, shape, device=device, splits=sp)
+    handle = engine().submit(ann, tensor, post=post)
+    return handle
+
+
+def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None) -> Any:
+    """Send ``splits[j]`` rows of ``tensor`` to rank j (equal shares when ``splits`` is None)
+    and concatenate what every rank sent here. With ``splits`` given, returns
+    ``(output, received_splits)``, as Horovod does.
+
+    Example, 2 ranks::
+
+        rank 0: alltoall(np.array([1, 2]))  -> [1, 3]
+        rank 1: alltoall(np.array([3, 4]))  -> [2, 4]
+    """
+    return alltoall_async(tensor, splits, name).wait()
+
+
+# ---------------------------------------------------------------- reducescatter
+
+def reducescatter_async(tensor: Any, name: Optional[str] = None, op: Any = Average,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    dtype, shape, device = _check_tensor(tensor, "reducescatter")
+    if shape == ():
+        raise ValueError("reducescatter needs a tensor with at least one dimension")
+    op = ops.to_op(op)
+    ops.check_op_dtype(op, dtype)
+    ann = Ann(_name("reducescatter", name), "reducescatter", dtype, shape, int(op), -1,
+              _factor(prescale_factor, "prescale_factor"), _factor(postscale_factor, "postscale_factor"),
+              device)
+    return engine().submit(ann, tensor)
+
+
+def reducescatter(tensor: Any, name: Optional[str] = None, op: Any = Average,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
+    """Reduce over all ranks, then give each rank its share of the first dimension
+    (equal shares; the first ranks get one more row when it does not divide).
+
+    Example, 2 ranks, op=Sum::
+
+        rank 0: reducescatter(np.array([1, 2, 3]), op=hvd.Sum)  -> [2, 4]
+        rank 1: reducescatter(np.array([1, 2, 3]), op=hvd.Sum)  -> [6]
+    """
+    return reducescatter_async(tensor, name, op, prescale_factor, postscale_factor).wait()
+
+
+# ---------------------------------------------------------------- barrier, join
+
+def barrier(name: Optional[str] = None) -> None:
+    """Return once every rank has called barrier (ranks that joined count as arrived)."""
+    engine().submit(Ann(_name("barrier", name), "barrier"), None).wait()
+
+
+def join() -> int:
+    """This rank has no more data: keep serving the other ranks' allreduces (contributing
+    nothing) until every rank has joined. Returns the last rank to join."""
+    return engine().submit_join().wait()
+
+
+# ---------------------------------------------------------------- objects
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None) -> Any:
+    """Every rank gets ``root_rank``'s picklable object.
+
+    Example, 2 ranks::
+
+        rank 0: broadcast_object({"lr": 0.1})  -> {"lr": 0.1}
+        rank 1: broadcast_object(None)         -> {"lr": 0.1}
+    """
+    st = _require()
+    root = _check_root(root_rank)
+    if st.rank == root:
+        data = np.frombuffer(_dumps(obj), dtype=np.uint8)
+        shape: Optional[tuple] = data.shape
+    else:
+        data, shape = np.empty(0, dtype=np.uint8), None
+    ann = Ann(_name("broadcast_object", name), "broadcast_object", "uint8", shape, root=root, obj=True)
+    raw = engine().submit(ann, data).wait()
+    return obj if st.rank == root else pickle.loads(raw.tobytes())
+
+
+def allgather_object(obj: Any, name: Optional[str] = None) -> list:
+    """List of every rank's picklable object, in rank order.
+
+    Example, 2 ranks::
+
+        rank 0: allgather_object("a")  -> ["a", "b"]
+        rank 1: allgather_object("b")  -> ["a", "b"]
+    """
+    data = np.frombuffer(_dumps(obj), dtype=np.uint8)
+    ann = Ann(_name("allgather_object", name), "allgather", "uint8", data.shape)
+    return engine().submit(ann, data, post=_split_objects).wait()
+
+
+def _dumps(obj: Any) -> bytes:
+    try:
+        import cloudpickle  # functions and lambdas defined in a notebook cell
+        return cloudpickle.dumps(obj)
+    except ImportError:
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _split_objects(raw: np.ndarray, rows: Any) -> list:
+    out, off = [], 0
+    for n in rows:
+        out.append(pickle.loads(raw[off:off + n].tobytes()))
+        off += n
+    return out
+
+
+# ---------------------------------------------------------------- handles
+
+def poll(handle: Handle) -> bool:
+    """True once the operation behind ``handle`` has finished (never blocks)."""
+    if not isinstance(handle, Handle):
+        raise TypeError(f"poll takes a handle from an *_async call, not {type(handle).__name__}")
+    return handle.done()
+
+
+def synchronize(handle: Handle, timeout: Optional[float] = None) -> Any:
+    """Wait for ``handle``'s operation and return its result (raising its error, if any).
+    The wait can be interrupted (Ctrl-C, the notebook's stop button)."""
+    if not isinstance(handle, Handle):
+        raise TypeError(f"synchronize takes a handle from an *_async call, not {type(handle).__name__}")
+    return handle.wait(timeout)
+
+
+# ---------------------------------------------------------------- introspection, timeline
+
+def pending() -> list:
+    """Requests of this rank, or known from others, still waiting for some ranks."""
+    return engine().pending()
+
+
+def subscribe(callback: Any) -> Any:
+    """Call ``callback(events)`` on this rank's engine thread with each batch of timeline
+    events ``(rank, tensor, phase, start_us, dur_us, args)``; returns an unsubscribe function."""
+    st = _require()
+    return st.timeline.subscribers.add(callback)
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Record a Chrome-trace timeline to ``file_path`` (written by rank 0). Call on every rank."""
+    from .timeline import TimelineWriter
+    st = _require()
+    eng = engine()
+    barrier(name=_name("timeline.start", None))
+    if st.rank == 0:
+        if eng.writer is not None:
+            eng.writer.close()
+        eng.writer = TimelineWriter(file_path, mark_cycles)
+    st.timeline.mark_cycles = mark_cycles
+    st.timeline.recording = True
+
+
+def stop_timeline() -> None:
+    """Stop recording and close the timeline file (valid JSON from then on). Call on every rank."""
+    st = _require()
+    eng = engine()
+    barrier(name=_name("timeline.stop", None))   # carries every rank's remaining events to rank 0
+    st.timeline.recording = False
+    if eng.writer is not None:
+        eng.writer.close()
+        eng.writer = None

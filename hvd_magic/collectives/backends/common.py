@@ -1,0 +1,36 @@
+"""Small helpers shared by the backends (pure arithmetic, no communication)."""
+from __future__ import annotations
+
+import math
+
+from ..ops import ReduceOp
+
+
+def row_elems(shape: tuple) -> int:
+    return math.prod(shape[1:]) if len(shape) > 1 else 1
+
+
+def scatter_rows(rows: int, size: int) -> list:
+    """Rows each rank gets from reducescatter: equal shares, the first ranks one more.
+
+    >>> scatter_rows(5, 3)
+    [2, 2, 1]
+    """
+    q, rem = divmod(rows, size)
+    return [q + (1 if r < rem else 0) for r in range(size)]
+
+
+def post_factor(op: ReduceOp, postscale: float, n_contrib: int) -> float:
+    """Multiplier applied after the sum: 1/n for Average, times postscale."""
+    f = postscale
+    if op == ReduceOp.AVERAGE:
+        f = f / n_contrib
+    return f
+
+
+def displacements(counts: list) -> list:
+    out, acc = [], 0
+    for c in counts:
+        out.append(acc)
+        acc += c
+    return out

@@ -1,0 +1,244 @@
+"""MPI backend: mpi4py collectives on numpy buffers (CPU tensors)."""
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import ops
+from ..ops import ReduceOp
+from ..timeline import MEMCPY_IN, MEMCPY_OUT, now_us
+from .common import displacements, post_factor, row_elems, scatter_rows
+
+_MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.AVERAGE: MPI.SUM, ReduceOp.MIN: MPI.MIN,
+            ReduceOp.MAX: MPI.MAX, ReduceOp.PRODUCT: MPI.PROD}
+_BOOL_OPS = {ReduceOp.MIN: MPI.LAND, ReduceOp.MAX: MPI.LOR, ReduceOp.PRODUCT: MPI.LAND}
+
+
+_OP_CACHE = {(int(k), False): v for k, v in _MPI_OPS.items()}
+_OP_CACHE.update({(int(k), True): v for k, v in _BOOL_OPS.items()})
+
+
+def mpi_op(op: int, dtype: str) -> MPI.Op:
+    return _OP_CACHE[(int(op), dtype == "bool")]
+
+
+def _bytes(a: np.ndarray) -> np.ndarray:
+    return a.reshape(-1).view(np.uint8)
+
+
+class MPIBackend:
+    """Collectives over an mpi4py communicator (the engine's own duplicate)."""
+
+    prefix = "MPI"
+
+    def __init__(self, comm: MPI.Comm, timeline: Any):
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.tl = timeline
+        self._fusion: dict[str, np.ndarray] = {}
+
+    def _fusion_buffer(self, dtype: np.dtype, n: int) -> np.ndarray:
+        buf = self._fusion.get(dtype.str)
+        if buf is None or buf.size < n:
+            buf = self._fusion[dtype.str] = np.empty(max(n, 1024), dtype=dtype)
+        return buf[:n]
+
+    # -------------------------------------------------------------- allreduce
+    def allreduce(self, entries: list, n_contrib: int) -> None:
+        """entries: [(LocalReq or None, Ann)], all sharing dtype, op and scale factors."""
+        ann0 = entries[0][1]
+        dtype, op = ann0.dtype, ReduceOp(ann0.op)
+        red = np.dtype("float32") if dtype in ops.HALF else np.dtype(dtype)
+        mop = mpi_op(op, dtype)
+        tl = self.tl.active
+        names = [a.name for _, a in entries]
+        if len(entries) == 1 and entries[0][0] is not None and dtype not in ops.HALF:
+            req, ann = entries[0]
+            src = req.src()
+            if ann0.prescale != 1.0:
+                src = (src * ann0.prescale).astype(red, copy=False)
+            target = req.inplace_target()
+            t0 = now_us() if tl else 0.0
+            if target is not None and src is target:
+                self.comm.Allreduce(MPI.IN_PLACE, target, op=mop)
+                res = target
+            else:
+                res = np.empty(src.shape, dtype=red)
+                self.comm.Allreduce(src, res, op=mop)
+            if tl:
+                self.tl.add(ann.name, f"{self.prefix}_ALLREDUCE", t0, now_us() - t0,
+                            {"bytes": res.nbytes, "tensors": names})
+            self._finish(res, op, ann0.postscale, n_contrib)
+            req.set_array(res, dtype)
+            return
+        sizes = [int(np.prod(a.shape)) for _, a in entries]
+        total = sum(sizes)
+        buf = self._fusion_buffer(red, total)
+        t0 = now_us() if tl else 0.0
+        off = 0
+        for (req, ann), n in zip(entries, sizes):
+            dst = buf[off:off + n]
+            if req is None:
+                dst.fill(ops.identity(op, red))
+            else:
+                src = ops.upcast(req.src().reshape(-1), dtype)
+                if ann0.prescale != 1.0:
+                    np.multiply(src, ann0.prescale, out=dst, casting="unsafe")
+                else:
+                    dst[...] = src
+            off += n
+        t1 = now_us() if tl else 0.0
+        self.comm.Allreduce(MPI.IN_PLACE, buf, op=mop)
+        t2 = now_us() if tl else 0.0
+        self._finish(buf, op, ann0.postscale, n_contrib)
+        off = 0
+        for (req, ann), n in zip(entries, sizes):
+            if req is not None:
+                part = buf[off:off + n]
+                if dtype in ops.HALF:
+                    out = np.empty(n, dtype=ops.np_dtype(dtype))
+                    ops.downcast_into(out, part, dtype)
+                else:
+                    out = part.copy()
+                req.set_array(out.reshape(ann.shape), dtype)
+            off += n
+        if tl:
+            t3 = now_us()
+            args = {"bytes": int(buf.nbytes), "tensors": names}
+            for _, ann in entries:
+                self.tl.add(ann.name, MEMCPY_IN, t0, t1 - t0)
+                self.tl.add(ann.name, f"{self.prefix}_ALLREDUCE", t1, t2 - t1, args)
+                self.tl.add(ann.name, MEMCPY_OUT, t2, t3 - t2)
+
+    def reduce_eager(self, req: Any, resp: Any, n_contrib: int) -> None:
+        """Reduce inputs that every rank sent with the negotiation, in rank order (so every
+        rank computes bit-identical results) without another round of communication."""
+        ann = req.ann
+        dtype, op = ann.dtype, ReduceOp(ann.op)
+        red = np.dtype("float32") if dtype in ops.HALF else np.dtype(dtype)
+        carried = ops.np_dtype(dtype)
+        t0 = now_us() if self.tl.active else 0.0
+        acc = None
+        for r in sorted(resp.data):
+            x = ops.upcast(np.frombuffer(resp.data[r], dtype=carried), dtype)
+            if ann.prescale != 1.0:
+                x = (x * ann.prescale).astype(red, copy=False)
+            if acc is None:
+                acc = x.astype(red, copy=True)
+            elif op in (ReduceOp.SUM, ReduceOp.AVERAGE):
+                acc += x
+            elif op == ReduceOp.PRODUCT:
+                acc = np.logical_and(acc, x) if red.kind == "b" else acc * x
+            elif op == ReduceOp.MIN:
+                acc = np.logical_and(acc, x) if red.kind == "b" else np.minimum(acc, x)
+            else:
+                acc = np.logical_or(acc, x) if red.kind == "b" else np.maximum(acc, x)
+        acc = acc.astype(red, copy=False)
+        self._finish(acc, op, ann.postscale, n_contrib)
+        if dtype in ops.HALF:
+            out = np.empty(acc.size, dtype=carried)
+            ops.downcast_into(out, acc, dtype)
+            acc = out
+        if self.tl.active:
+            self.tl.add(ann.name, "EAGER_ALLREDUCE", t0, now_us() - t0, {"bytes": int(acc.nbytes)})
+        target = req.inplace_target()
+        if target is not None:
+            target.reshape(-1)[...] = acc
+            req.set_array(target, dtype)
+        else:
+            req.set_array(acc.reshape(ann.shape), dtype)
+
+    @staticmethod
+    def _finish(buf: np.ndarray, op: ReduceOp, postscale: float, n_contrib: int) -> None:
+        """Average (floor division for integers) and postscale, in place, in one pass."""
+        if buf.dtype.kind == "f":
+            factor = post_factor(op, postscale, n_contrib)
+            if factor != 1.0:
+                buf *= buf.dtype.type(factor)
+            return
+        if op == ReduceOp.AVERAGE and n_contrib != 1 and buf.dtype.kind != "b":
+            buf //= n_contrib
+        if postscale != 1.0:
+            np.copyto(buf, buf * postscale, casting="unsafe")
+
+    # -------------------------------------------------------------- allgather
+    def allgather(self, req: Optional[Any], anns: dict, n_ranks: int) -> None:
+        ann0 = next(iter(anns.values()))
+        item = ops.np_dtype(ann0.dtype).itemsize
+        rows = [anns[r].shape[0] if r in anns and anns[r].shape else 0 for r in range(self.size)]
+        re = row_elems(ann0.shape) if ann0.shape else 1
+        counts = [rw * re * item for rw in rows]
+        recv = np.empty(sum(counts), dtype=np.uint8)
+        send = _bytes(req.src()) if req is not None else np.empty(0, np.uint8)
+        t0 = now_us() if self.tl.active else 0.0
+        self.comm.Allgatherv(send, [recv, counts, displacements(counts), MPI.BYTE])
+        if self.tl.active:
+            self.tl.add(ann0.name, f"{self.prefix}_ALLGATHER", t0, now_us() - t0, {"bytes": int(recv.nbytes)})
+        if req is not None:
+            shape = (sum(rows),) + tuple(ann0.shape[1:]) if ann0.shape else (sum(rows),)
+            req.set_array(recv.view(ops.np_dtype(ann0.dtype)).reshape(shape), ann0.dtype, rows=rows)
+
+    # -------------------------------------------------------------- broadcast
+    def broadcast(self, req: Any, anns: dict) -> None:
+        ann0 = next(iter(anns.values()))
+        root = ann0.root
+        shape = anns[root].shape
+        dt = ops.np_dtype(ann0.dtype)
+        t0 = now_us() if self.tl.active else 0.0
+        if self.rank == root:
+            src = req.src()
+            self.comm.Bcast(_bytes(src), root=root)
+            out = src if req.inplace_target() is src else src.copy()
+        else:
+            target = req.inplace_target()
+            out = target if target is not None else np.empty(shape, dtype=dt)
+            self.comm.Bcast(_bytes(out), root=root)
+        if self.tl.active:
+            self.tl.add(ann0.name, f"{self.prefix}_BCAST", t0, now_us() - t0, {"bytes": int(out.nbytes)})
+        req.set_array(out.reshape(shape), ann0.dtype)
+
+    # -------------------------------------------------------------- alltoall
+    def alltoall(self, req: Any, anns: dict) -> None:
+        ann0 = anns[self.rank]
+        item = ops.np_dtype(ann0.dtype).itemsize
+        re = row_elems(ann0.shape)
+        send_rows = list(ann0.splits)
+        recv_rows = [anns[r].splits[self.rank] for r in range(self.size)]
+        scounts = [r * re * item for r in send_rows]
+        rcounts = [r * re * item for r in recv_rows]
+        recv = np.empty(sum(rcounts), dtype=np.uint8)
+        t0 = now_us() if self.tl.active else 0.0
+        self.comm.Alltoallv([_bytes(req.src()), scounts, displacements(scounts), MPI.BYTE],
+                            [recv, rcounts, displacements(rcounts), MPI.BYTE])
+        if self.tl.active:
+            self.tl.add(ann0.name, f"{self.prefix}_ALLTOALL", t0, now_us() - t0, {"bytes": int(recv.nbytes)})
+        shape = (sum(recv_rows),) + tuple(ann0.shape[1:])
+        req.set_array(recv.view(ops.np_dtype(ann0.dtype)).reshape(shape), ann0.dtype, rows=recv_rows)
+
+    # -------------------------------------------------------------- reducescatter
+    def reducescatter(self, req: Any, anns: dict) -> None:
+        ann0 = anns[self.rank]
+        dtype, op = ann0.dtype, ReduceOp(ann0.op)
+        red = np.dtype("float32") if dtype in ops.HALF else np.dtype(dtype)
+        rows = scatter_rows(ann0.shape[0] if ann0.shape else 1, self.size)
+        re = row_elems(ann0.shape) if ann0.shape else 1
+        counts = [r * re for r in rows]
+        src = ops.upcast(req.src().reshape(-1), dtype).astype(red, copy=False)
+        if ann0.prescale != 1.0:
+            src = (src * ann0.prescale).astype(red)
+        recv = np.empty(counts[self.rank], dtype=red)
+        t0 = now_us() if self.tl.active else 0.0
+        self.comm.Reduce_scatter(src, recv, recvcounts=counts, op=mpi_op(op, dtype))
+        if self.tl.active:
+            self.tl.add(ann0.name, f"{self.prefix}_REDUCESCATTER", t0, now_us() - t0, {"bytes": int(src.nbytes)})
+        self._finish(recv, op, ann0.postscale, self.size)
+        if dtype in ops.HALF:
+            out = np.empty(recv.size, dtype=ops.np_dtype(dtype))
+            ops.downcast_into(out, recv, dtype)
+            recv = out
+        shape = (rows[self.rank],) + tuple(ann0.shape[1:]) if ann0.shape else (rows[self.rank],)
+        req.set_array(recv.reshape(shape), dtype)

@@ -1,0 +1,616 @@
+"""The per-rank background thread that owns all communication.
+
+User threads call :meth:`Engine.submit`, which queues a request and returns a
+:class:`Handle`. The engine thread negotiates with the other ranks in cycles: one
+non-blocking allgather of what each rank has newly submitted. Every rank feeds the
+same messages to the same :class:`~.plan.Negotiator`, so all ranks decide the same
+ready requests in the same order, then carry them out (fused where possible).
+
+Costs when idle and when waiting:
+- with nothing pending anywhere the thread blocks on a condition variable (no CPU);
+- waiting for other ranks it polls the non-blocking allgather, spinning for at most
+  ``SPIN_S`` and then sleeping with exponential backoff up to ``MAX_POLL_S``;
+- when every rank has something pending but nothing new to say, cycles are spaced
+  out with the same backoff, so ranks that wait on each other do not spin.
+"""
+from __future__ import annotations
+
+import marshal
+import os
+import pickle
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import numpy as np
+from mpi4py import MPI
+from _thread import allocate_lock as _allocate_lock
+from collections import deque
+
+from . import ops
+from .errors import HvdError, JoinedRankError, ShutdownError, StallError, TensorMismatchError
+from .plan import Ann, Bucket, Negotiator, RankMsg, Response, StallInfo, plan_fusion
+from .timeline import CYCLE, NEGOTIATE, QUEUE, Timeline, TimelineWriter, now_us
+
+SLOT = 8192            # bytes per rank in the first negotiation round
+EAGER_MAX = 4096       # an allreduce input this small rides in the negotiation message itself
+SPIN_S = 200e-6        # poll without sleeping this long
+MIN_SLEEP_S = 20e-6
+MAX_POLL_S = 1e-3      # longest sleep between polls while waiting for other ranks
+
+_ERRORS = {"mismatch": TensorMismatchError, "stall": StallError,
+           "joined": JoinedRankError, "shutdown": ShutdownError}
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
+
+
+@dataclass
+class Config:
+    """Runtime settings, from Horovod's environment variables."""
+
+    cycle_time_s: float = 0.0
+    fusion_threshold: int = 64 * 1024 * 1024
+    stall_check_s: float = 60.0          # 0 disables the warning
+    stall_shutdown_s: float = 0.0        # 0: never fail stalled requests
+    cpu_operations: str = "mpi"
+    timeline: str = ""
+    timeline_mark_cycles: bool = False
+
+    @classmethod
+    def from_env(cls) -> "Config":
+        cpu_ops = os.environ.get("HOROVOD_CPU_OPERATIONS", "mpi").strip().lower() or "mpi"
+        if cpu_ops not in ("mpi", "gloo"):
+            raise ValueError(f"HOROVOD_CPU_OPERATIONS={cpu_ops!r}: use 'mpi' or 'gloo'")
+        stall = _env_float("HOROVOD_STALL_CHECK_TIME_SECONDS", 60.0)
+        if os.environ.get("HOROVOD_STALL_CHECK_DISABLE", "") not in ("", "0"):
+            stall = 0.0
+        return cls(
+            cycle_time_s=_env_float("HOROVOD_CYCLE_TIME", 0.0) / 1000.0,
+            fusion_threshold=int(_env_float("HOROVOD_FUSION_THRESHOLD", 64 * 1024 * 1024)),
+            stall_check_s=stall,
+            stall_shutdown_s=_env_float("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0.0),
+            cpu_operations=cpu_ops,
+            timeline=os.environ.get("HOROVOD_TIMELINE", ""),
+            timeline_mark_cycles=os.environ.get("HOROVOD_TIMELINE_MARK_CYCLES", "") not in ("", "0"),
+        )
+
+
+class Handle:
+    """What an ``*_async`` call returns; pass it to ``poll`` or ``synchronize``."""
+
+    __slots__ = ("name", "kind", "_lock", "_done", "_result", "_error", "_post", "_engine", "extra")
+
+    def __init__(self, name: str, kind: str, engine: "Engine",
+                 post: Optional[Callable[[Any, Any], Any]] = None):
+        self.name = name
+        self.kind = kind
+        self._lock = _allocate_lock()   # held until the result is in: waiting = acquiring it
+        self._lock.acquire()
+        self._done = False
+        self._result: Any = None
+        self._error: Optional[BaseException] = None
+        self._post = post
+        self._engine = engine
+        self.extra: Any = None     # rows per rank (allgather) or received splits (alltoall)
+
+    def done(self) -> bool:
+        return self._done
+
+    def wait(self, timeout: Optional[float] = None) -> Any:
+        """Block until done (interruptible), then return the result or raise the error."""
+        if not self._done:
+            self._engine.urgent()
+            deadline = None if timeout is None else time.monotonic() + timeout
+            lock = self._lock
+            while not lock.acquire(True, 0.5 if deadline is None else
+                                   max(0.0, min(0.5, deadline - time.monotonic()))):
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"{self.kind} of tensor '{self.name}' did not finish "
+                                       f"within {timeout} s")
+                self._engine.raise_if_dead(self.name)
+            lock.release()   # leave it open for any other waiter
+        if self._error is not None:
+            raise self._error
+        return self._post(self._result, self.extra) if self._post is not None else self._result
+
+    def _set(self, result: Any = None, error: Optional[BaseException] = None) -> None:
+        if self._done:
+            return
+        self._result, self._error = result, error
+        self._done = True
+        self._lock.release()
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "pending"
+        return f"<hvd_magic handle {self.kind} '{self.name}' {state}>"
+
+
+class LocalReq:
+    """One request on this rank: the agreed metadata plus this rank's tensor."""
+
+    __slots__ = ("ann", "tensor", "out", "handle", "t_submit", "t_decided", "_src")
+
+    def __init__(self, ann: Ann, tensor: Any, handle: Handle, out: Any = None):
+        self.ann = ann
+        self.tensor = tensor
+        self.out = out                 # in-place target (the user's tensor), or None
+        self.handle = handle
+        self.t_submit = time.monotonic()
+        self.t_decided = 0.0
+        self._src: Optional[np.ndarray] = None
+
+    def src(self) -> np.ndarray:
+        """Contiguous numpy view (or copy) of the input."""
+        if self._src is None:
+            self._src = ops.as_numpy(self.tensor)
+        return self._src
+
+    def inplace_target(self) -> Optional[np.ndarray]:
+        """The input's own memory when the result may be written straight into it."""
+        if self.out is None:
+            return None
+        src = self.src()
+        if ops.is_torch(self.out):
+            ok = self.out.is_contiguous() and self.out.device.type == "cpu"
+        else:
+            ok = src is self.out or (isinstance(self.out, np.ndarray) and self.out.flags.c_contiguous
+                                     and np.shares_memory(src, self.out))
+        return src if ok else None
+
+    def set_array(self, arr: Any, dtype: str, rows: Any = None) -> None:
+        """Store the result (numpy carrying ``dtype``, or a torch tensor) in the user's type."""
+        self.handle.extra = rows
+        if self.out is not None:
+            if ops.is_torch(self.out):
+                torch = sys.modules["torch"]
+                if not (isinstance(arr, np.ndarray) and self._src is not None and arr is self._src):
+                    t = arr if isinstance(arr, torch.Tensor) else ops.wrap_like(arr, dtype, self.out)
+                    self.out.copy_(t.reshape(self.out.shape))
+            elif arr is not self.out:
+                np.copyto(self.out, np.asarray(arr).reshape(self.out.shape), casting="unsafe")
+            self.handle._result = self.out
+        elif isinstance(arr, np.ndarray):
+            self.handle._result = ops.wrap_like(arr, dtype, self.tensor)
+        else:
+            self.handle._result = arr
+
+
+class Engine:
+    """Background negotiation and execution for one rank."""
+
+    def __init__(self, comm: MPI.Comm, config: Config, timeline: Timeline):
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.cfg = config
+        self.tl = timeline
+        self.neg = Negotiator(self.size)
+        # The engine thread sleeps on ``_bell`` (a lock used as a doorbell: released = rung).
+        # Plain locks are C-level and release the GIL while blocked, keeping hand-offs cheap.
+        self._bell = _allocate_lock()
+        self._bell.acquire()
+        self._mu = threading.Lock()          # guards compound updates of the fields below
+        self._table_lock = threading.Lock()
+        self._new: deque = deque()
+        self._inflight: dict[str, LocalReq] = {}
+        self._cancels: list = []
+        self._cancelled: set = set()
+        self._join: Optional[Handle] = None
+        self._join_announce = False
+        self._shutdown_announce = False
+        self._urgent = False
+        self._stop_requested = False
+        self.dead: Optional[BaseException] = None
+        self.stopped = threading.Event()
+        # Small allreduces ride in the negotiation message (one round trip instead of two)
+        # while ranks are few enough for the fixed slot to stay small.
+        self._slot = SLOT if self.size <= 16 else 2048
+        self._eager_max = EAGER_MAX if (self.size <= 16 and config.cpu_operations == "mpi"
+                                        and os.environ.get("HVD_MAGIC_EAGER", "1") != "0") else 0
+        self._send = np.zeros(self._slot, dtype=np.uint8)
+        self._recv = np.zeros((self.size, self._slot), dtype=np.uint8)
+        self._send_mv = memoryview(self._send)
+        self._recv_mv = memoryview(self._recv.reshape(-1))
+        self._heartbeat = self._heartbeat_s()
+        self._next_tick = 0.0
+        self._empty_streak = 0
+        self._last_warn = 0.0
+        self._in_cycle_since = 0.0
+        self.cycles = 0
+        self._torch_backend = None
+        self.writer: Optional[TimelineWriter] = None
+        from .backends.mpi import MPIBackend
+        self.mpi_backend = MPIBackend(comm, timeline)
+        self.thread = threading.Thread(target=self._main, name=f"hvd_magic-engine-{self.rank}",
+                                       daemon=True)
+        self.thread.start()
+
+    def _ring(self) -> None:
+        try:
+            self._bell.release()
+        except RuntimeError:   # already rung
+            pass
+
+    # ------------------------------------------------------------------ user side
+    def submit(self, ann: Ann, tensor: Any, out: Any = None,
+               post: Optional[Callable[[Any, Any], Any]] = None, urgent: bool = False) -> Handle:
+        """Queue one request; ``urgent`` (the caller waits right away) skips the cycle time."""
+        if self.dead is not None or self._stop_requested:
+            raise ShutdownError(f"the hvd_magic runtime on rank {self.rank} has stopped "
+                                f"({self.dead or 'shutdown() was called'}); call hvd.init() again")
+        handle = Handle(ann.name, ann.kind, self, post)
+        req = LocalReq(ann, tensor, handle, out)
+        if self._inflight.setdefault(ann.name, req) is not req:
+            raise ValueError(f"a {self._inflight[ann.name].ann.kind} of tensor '{ann.name}' is "
+                             "already in flight on this rank; wait for it (hvd.synchronize) "
+                             "or use another name")
+        self._new.append(req)
+        if urgent:
+            self._urgent = True
+        self._ring()
+        return handle
+
+    def submit_join(self) -> Handle:
+        handle = Handle("join", "join", self)
+        with self._mu:
+            if self._join is not None:
+                raise ValueError("join() is already in progress on this rank")
+            self._join = handle
+            self._join_announce = True
+        self._urgent = True
+        self._ring()
+        return handle
+
+    def urgent(self) -> None:
+        """Someone waits on a result: stop gathering requests for the cycle time."""
+        if not self._urgent:
+            self._urgent = True
+            if self.cfg.cycle_time_s > 0:
+                self._ring()
+
+    def raise_if_dead(self, name: str) -> None:
+        if self.dead is not None and self.stopped.is_set():
+            raise HvdError(f"the hvd_magic runtime on rank {self.rank} stopped while "
+                           f"'{name}' was pending: {self.dead}")
+
+    def shutdown(self, timeout: float = 30.0) -> bool:
+        """Ask every rank to stop; wait up to ``timeout`` s for all of them to agree."""
+        self._stop_requested = True
+        self._shutdown_announce = True
+        self._urgent = True
+        self._ring()
+        self.stopped.wait(timeout)
+        return self.stopped.is_set()
+
+    def pending(self) -> list:
+        """Requests waiting for other ranks: dicts with name, kind, ranks, since (s ago)."""
+        now = time.monotonic()
+        with self._table_lock:
+            infos = self.neg.stalled(now, 0.0)
+        out = [{"name": i.name, "kind": i.kind, "submitted_by": i.ready_ranks,
+                "missing_ranks": i.missing_ranks, "waiting_s": round(now - i.since, 3)} for i in infos]
+        known = {i["name"] for i in out}
+        for r in list(self._inflight.values()):
+            if r.ann.name not in known:
+                out.append({"name": r.ann.name, "kind": r.ann.kind, "submitted_by": [self.rank],
+                            "missing_ranks": None, "waiting_s": round(now - r.t_submit, 3)})
+        return out
+
+    # ------------------------------------------------------------------ engine thread
+    def _main(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 - report anything, then fail pending work
+            self.dead = exc
+            import traceback
+            sys.stderr.write(f"[hvd_magic rank {self.rank}] engine thread failed:\n"
+                             + "".join(traceback.format_exception(exc)))
+            self._fail_all(HvdError(f"hvd_magic's engine thread on rank {self.rank} failed: {exc!r}"))
+        finally:
+            if self.dead is None:
+                self.dead = ShutdownError("hvd_magic was shut down")
+            self._fail_all(ShutdownError("hvd_magic was shut down before this request finished"))
+            if self.writer is not None:
+                self.writer.close()
+            self.stopped.set()
+
+    def _fail_all(self, err: BaseException) -> None:
+        with self._mu:
+            reqs = list(self._inflight.values())
+            self._inflight.clear()
+            self._new.clear()
+            join, self._join = self._join, None
+        for r in reqs:
+            r.handle._set(error=err)
+        if join is not None:
+            join._set(error=err)
+
+    def _has_news(self) -> bool:
+        return bool(self._new or self._cancels or self._join_announce or self._shutdown_announce)
+
+    def _sleep(self, timeout: Optional[float]) -> None:
+        """Sleep until rung or ``timeout`` (None: forever) passes."""
+        if timeout is None:
+            self._bell.acquire()
+        elif timeout > 0:
+            self._bell.acquire(True, timeout)
+
+    def _next_message(self) -> RankMsg:
+        """Block until there is a reason to negotiate, then take what this rank has to say."""
+        heartbeat = self._heartbeat
+        waited_from = time.monotonic()
+        while not (self._new or self._cancels or self._join_announce or self._shutdown_announce):
+            now = time.monotonic()
+            if self.neg.busy or self._join is not None:
+                if self._empty_streak == 0:
+                    break
+                delay = min(MAX_POLL_S, MIN_SLEEP_S * (2 ** min(self._empty_streak, 10)))
+                if now - waited_from >= delay:
+                    break
+                self._sleep(delay - (now - waited_from))
+                continue
+            if heartbeat is not None and now - waited_from >= heartbeat:
+                break
+            self._sleep(None if heartbeat is None else heartbeat - (now - waited_from))
+        if self._new and self.cfg.cycle_time_s > 0 and not self._urgent:
+            deadline = time.monotonic() + self.cfg.cycle_time_s
+            while not self._urgent and not self._shutdown_announce:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._sleep(left)
+        self._urgent = False
+        new = []
+        pop = self._new.popleft
+        while self._new:
+            new.append(pop())
+        if self._cancels or self._join_announce:
+            with self._mu:
+                cancels, self._cancels = self._cancels, []
+                join, self._join_announce = self._join_announce, False
+        else:
+            cancels, join = [], False
+        shut, self._shutdown_announce = self._shutdown_announce, False
+        payloads = []
+        if self._eager_max:
+            budget = self._slot - 1024
+            for i, r in enumerate(new):
+                a = r.ann
+                if a.kind == "allreduce" and a.device == "cpu":
+                    src = r.src()
+                    if src.nbytes <= self._eager_max and src.nbytes <= budget:
+                        budget -= src.nbytes
+                        payloads.append((i, src.tobytes()))
+        return RankMsg(tuple(tuple(r.ann) for r in new), tuple(cancels), join, shut, self.tl.take(),
+                       tuple(payloads))
+
+    def _heartbeat_s(self) -> Optional[float]:
+        if self.cfg.stall_check_s <= 0 and self.cfg.stall_shutdown_s <= 0:
+            return None
+        base = min(x for x in (self.cfg.stall_check_s, self.cfg.stall_shutdown_s) if x > 0)
+        return max(0.25, min(15.0, base / 4))
+
+    def _loop(self) -> None:
+        while True:
+            msg = self._next_message()
+            t_cycle = now_us() if self.tl.active else 0.0
+            msgs = self._exchange(msg)
+            self.cycles += 1
+            now = time.monotonic()
+            with self._table_lock:
+                responses = self.neg.step(msgs, now)
+            if self.writer is not None:
+                for m in msgs:
+                    if m.events:
+                        self.writer.write(list(m.events))
+            if self.tl.active and self.tl.mark_cycles:
+                self.tl.add("cycle", CYCLE, t_cycle, None, {"cycle": self.cycles})
+            news = any(m.anns or m.cancels or m.join or m.shutdown for m in msgs)
+            self._empty_streak = 0 if (news or responses) else self._empty_streak + 1
+            stop = self._execute(responses, now)
+            if self.tl.active:
+                self.tl.publish()
+            now = time.monotonic()
+            if now >= self._next_tick:
+                self._next_tick = now + 0.2
+                self._stall_tick(now)
+            if stop:
+                return
+
+    # ------------------------------------------------------------------ negotiation
+    def _exchange(self, msg: RankMsg) -> list:
+        """Allgather every rank's message (marshal-encoded plain tuples)."""
+        data = marshal.dumps(tuple(msg))
+        n = len(data)
+        slot = self._slot
+        self._send_mv[:8] = n.to_bytes(8, "little")
+        if n <= slot - 8:
+            self._send_mv[8:8 + n] = data
+        self._in_cycle_since = time.monotonic()
+        self._wait(self.comm.Iallgather(self._send, self._recv))
+        mv = self._recv_mv
+        lens = [int.from_bytes(mv[r * slot:r * slot + 8], "little") for r in range(self.size)]
+        if max(lens) <= slot - 8:
+            out = [_decode(mv[r * slot + 8:r * slot + 8 + lens[r]]) for r in range(self.size)]
+        else:
+            displs = np.cumsum([0] + lens[:-1]).tolist()
+            big = np.empty(sum(lens), dtype=np.uint8)
+            self._wait(self.comm.Iallgatherv(np.frombuffer(data, dtype=np.uint8),
+                                             [big, lens, displs, MPI.BYTE]))
+            out = [_decode(big[d:d + c]) for d, c in zip(displs, lens)]
+        self._in_cycle_since = 0.0
+        return out
+
+    def _wait(self, req: MPI.Request) -> None:
+        """Wait for a non-blocking MPI request without burning a core."""
+        if req.Test():
+            return
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < SPIN_S:
+            if req.Test():
+                return
+        delay = MIN_SLEEP_S
+        last_tick = time.monotonic()
+        while not req.Test():
+            time.sleep(delay)
+            delay = min(delay * 2, MAX_POLL_S)
+            now = time.monotonic()
+            if now - last_tick > 0.25:
+                last_tick = now
+                self._stall_tick(now)
+
+    # ------------------------------------------------------------------ execution
+    def _take(self, name: str) -> Optional[LocalReq]:
+        return self._inflight.pop(name, None)
+
+    def _backend(self, device: str):
+        if device == "cpu" and self.cfg.cpu_operations == "mpi":
+            return self.mpi_backend
+        if self._torch_backend is None:
+            from .backends.torch_dist import TorchBackend
+            self._torch_backend = TorchBackend(self.comm, self.tl)
+        return self._torch_backend
+
+    def _execute(self, responses: list, decided: float) -> bool:
+        stop = False
+        plan = plan_fusion(responses, self.cfg.fusion_threshold)
+        for item in plan:
+            if isinstance(item, Bucket):
+                entries = []
+                for resp in item.responses:
+                    req = self._take(resp.name)
+                    entries.append((req, req.ann if req is not None else resp.first))
+                self._queue_events(entries, decided)
+                n_contrib = self.size - len(item.responses[0].joined)
+                try:
+                    self._backend(entries[0][1].device).allreduce(entries, n_contrib)
+                    err = None
+                except Exception as exc:  # noqa: BLE001
+                    err = HvdError(f"allreduce of {', '.join(item.names)} failed on rank {self.rank}: {exc!r}")
+                for req, _ in entries:
+                    if req is not None:
+                        req.handle._set(req.handle._result, err)
+                continue
+            stop = self._execute_one(item, decided) or stop
+        return stop
+
+    def _queue_events(self, entries: list, decided: float) -> None:
+        if not self.tl.active:
+            return
+        t = now_us()
+        mono = time.monotonic()
+        for req, ann in entries:
+            if req is None:
+                continue
+            start = t - (mono - req.t_submit) * 1e6
+            self.tl.add(ann.name, NEGOTIATE, start, (decided - req.t_submit) * 1e6)
+            self.tl.add(ann.name, QUEUE, t - (mono - decided) * 1e6, (mono - decided) * 1e6)
+
+    def _execute_one(self, resp: Response, decided: float) -> bool:
+        if resp.kind == "shutdown":
+            return True
+        if resp.kind == "join":
+            with self._mu:
+                handle, self._join = self._join, None
+            if handle is not None:
+                handle._set(resp.last_joined)
+            return False
+        req = self._take(resp.name)
+        if resp.error is not None:
+            if req is not None:
+                req.handle._set(error=_ERRORS.get(resp.error_kind, HvdError)(resp.error))
+            return False
+        self._queue_events([(req, resp.first)], decided)
+        if req is None and resp.kind != "allgather":
+            return False   # a joined rank has nothing to do for a barrier or an eager allreduce
+        try:
+            kind = resp.kind
+            device = (req.ann if req is not None else resp.first).device
+            if kind == "allreduce":   # sent eagerly: reduce locally, same order on every rank
+                self.mpi_backend.reduce_eager(req, resp, self.size - len(resp.joined))
+            elif kind == "barrier":
+                req.handle._result = None
+            elif kind == "allgather":
+                self._backend(device).allgather(req, resp.anns, self.size)
+            elif kind in ("broadcast", "broadcast_object"):
+                self._backend(device).broadcast(req, resp.anns)
+            elif kind == "alltoall":
+                self._backend(device).alltoall(req, resp.anns)
+            elif kind == "reducescatter":
+                self._backend(device).reducescatter(req, resp.anns)
+            else:
+                raise HvdError(f"unknown operation {kind!r}")
+            err = None
+        except Exception as exc:  # noqa: BLE001
+            err = HvdError(f"{resp.kind} of tensor '{resp.name}' failed on rank {self.rank}: {exc!r}")
+        if req is not None:
+            req.handle._set(req.handle._result, err)
+        return False
+
+    # ------------------------------------------------------------------ stall check
+    def _stall_tick(self, now: float) -> None:
+        check, kill = self.cfg.stall_check_s, self.cfg.stall_shutdown_s
+        if check <= 0 and kill <= 0:
+            return
+        stuck_in_cycle = self._in_cycle_since and now - self._in_cycle_since > min(
+            x for x in (check, kill) if x > 0)
+        if check > 0 and now - self._last_warn >= check and (self.rank == 0 or stuck_in_cycle):
+            with self._table_lock:
+                infos = self.neg.stalled(now, check)
+            lines = [i.describe(now) for i in infos]
+            if stuck_in_cycle:
+                with self._mu:
+                    lines += [f"{r.ann.kind} of tensor '{r.ann.name}' has waited {now - r.t_submit:.1f} s "
+                              f"on rank {self.rank}; other ranks have not negotiated for "
+                              f"{now - self._in_cycle_since:.1f} s"
+                              for r in self._inflight.values() if now - r.t_submit >= check]
+            if lines:
+                self._last_warn = now
+                sys.stderr.write(
+                    f"[hvd_magic rank {self.rank}] WARNING: stall: one or more tensors were submitted "
+                    f"by some ranks and have waited more than {check:g} s for the others. Ranks that "
+                    "submit different tensors, or only some ranks submitting, cause this.\n  "
+                    + "\n  ".join(lines) + "\n")
+                sys.stderr.flush()
+        if kill > 0:
+            with self._table_lock:
+                infos = {i.name: i for i in self.neg.stalled(now, 0.0)}
+            failed_locally = []
+            with self._mu:
+                for r in list(self._inflight.values()):
+                    name = r.ann.name
+                    if name in self._cancelled or now - r.t_submit < kill:
+                        continue
+                    info = infos.get(name)
+                    if info is not None and self.rank in info.ready_ranks:
+                        self._cancelled.add(name)
+                        self._cancels.append((name, _stall_message(info, now, kill)))
+                    elif stuck_in_cycle and now - self._in_cycle_since > kill:
+                        self._inflight.pop(name)
+                        failed_locally.append(r)
+            for r in failed_locally:
+                r.handle._set(error=StallError(
+                    f"{r.ann.kind} of tensor '{r.ann.name}' was submitted on rank {self.rank} but the "
+                    f"other ranks have not taken part in negotiation for {now - self._in_cycle_since:.1f} s "
+                    f"(HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={kill:g}); check that every rank runs the "
+                    "same collectives"))
+
+
+def _decode(buf: np.ndarray) -> RankMsg:
+    anns, cancels, join, shut, events, payloads = marshal.loads(buf)
+    return RankMsg(tuple(map(Ann._make, anns)), cancels, join, shut, events, payloads)
+
+
+def _stall_message(info: StallInfo, now: float, limit: float) -> str:
+    return (f"{info.describe(now)}; gave up after HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={limit:g}. "
+            "Make every rank submit the same tensors (same names, same order of collectives).")

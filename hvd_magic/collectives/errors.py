@@ -1,0 +1,51 @@
+"""Exceptions raised by the collective runtime.
+
+Every error raised because ranks disagree, stall or fail is a subclass of
+:class:`HvdError` (itself a ``RuntimeError``), raised on every rank that
+takes part, with a message naming the operation, the tensor and the ranks.
+"""
+from __future__ import annotations
+
+
+class HvdError(RuntimeError):
+    """Base class of the runtime's cross-rank errors."""
+
+
+# Horovod's name for the error a collective raises when the job is broken.
+HorovodInternalError = HvdError
+
+
+class TensorMismatchError(HvdError):
+    """Ranks submitted the same tensor name with different shapes, dtypes, ops,
+    root ranks or scale factors."""
+
+
+class StallError(HvdError):
+    """Some ranks submitted a tensor and others did not, for longer than
+    ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``."""
+
+
+class ShutdownError(HvdError):
+    """The runtime was shut down (on this or another rank) while work was pending."""
+
+
+class JoinedRankError(HvdError):
+    """A collective that cannot run with joined ranks was submitted while some had joined."""
+
+
+NOT_INITIALIZED = (
+    "hvd_magic has not been initialized; call hvd.init() on every rank first "
+    "(for example `import hvd_magic.torch as hvd; hvd.init()`)."
+)
+
+
+def group_ranks(values: dict[int, object]) -> str:
+    """Describe per-rank values compactly: ``rank 0 sent (2,); ranks 1, 2 sent (3,)``."""
+    by_value: dict[str, list[int]] = {}
+    for rank in sorted(values):
+        by_value.setdefault(repr(values[rank]), []).append(rank)
+    parts = []
+    for value, ranks in by_value.items():
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+        parts.append(f"{who} sent {value}")
+    return "; ".join(parts)

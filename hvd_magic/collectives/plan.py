@@ -1,0 +1,331 @@
+"""Pure planning: which requests are ready on every rank, and how to fuse them.
+
+Every rank runs the same :class:`Negotiator` on the same inputs (the messages of
+all ranks from one negotiation cycle, in rank order), so every rank reaches the
+same decisions in the same order without a coordinator. Nothing here sends a
+byte or starts a thread; the engine feeds it and carries out what it returns.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, NamedTuple, Optional
+
+import numpy as np
+
+from .errors import group_ranks
+from .ops import HALF, ReduceOp
+
+
+class Ann(NamedTuple):
+    """What one rank says about one request: the metadata every rank compares."""
+
+    name: str
+    kind: str                      # allreduce, allgather, broadcast, alltoall, reducescatter, barrier
+    dtype: Optional[str] = None
+    shape: Optional[tuple] = None
+    op: int = int(ReduceOp.SUM)
+    root: int = -1
+    prescale: float = 1.0
+    postscale: float = 1.0
+    device: str = "cpu"
+    splits: Optional[tuple] = None  # alltoall: rows this rank sends to each rank
+    obj: bool = False               # broadcast_object: only the root's shape counts
+
+
+class RankMsg(NamedTuple):
+    """One rank's contribution to one negotiation cycle."""
+
+    anns: tuple = ()                # new Ann since the last cycle
+    cancels: tuple = ()             # (name, reason) for requests this rank gives up (stall shutdown)
+    join: bool = False              # this rank called join()
+    shutdown: bool = False          # this rank called shutdown()
+    events: tuple = ()              # timeline events for rank 0's file
+    payloads: tuple = ()            # (index into anns, bytes): small allreduce inputs sent eagerly
+
+
+@dataclass
+class Response:
+    """A decision every rank carries out identically."""
+
+    name: str
+    kind: str
+    anns: dict                      # rank -> Ann, for the ranks that submitted
+    joined: frozenset = frozenset()
+    error: Optional[str] = None
+    error_kind: str = ""            # mismatch, stall, joined, shutdown
+    last_joined: int = -1
+    data: Optional[dict] = None     # rank -> bytes when every submitting rank sent its input eagerly
+
+    @property
+    def first(self) -> Ann:
+        return next(iter(self.anns.values()))
+
+
+@dataclass
+class Pending:
+    name: str
+    anns: dict = field(default_factory=dict)
+    since: float = 0.0
+    data: dict = field(default_factory=dict)
+
+
+@dataclass
+class StallInfo:
+    name: str
+    kind: str
+    ready_ranks: list
+    missing_ranks: list
+    since: float
+
+    def describe(self, now: float) -> str:
+        return (f"{self.kind} of tensor '{self.name}' has waited {now - self.since:.1f} s: "
+                f"submitted by rank(s) {_ranks(self.ready_ranks)}, "
+                f"not yet by rank(s) {_ranks(self.missing_ranks)}")
+
+
+def _ranks(ranks: Iterable[int]) -> str:
+    return ", ".join(map(str, ranks))
+
+
+# Fields compared across ranks, per kind (name, how to read it from an Ann).
+def _compare_fields(kind: str) -> list:
+    shape = ("shape", lambda a: a.shape)
+    tail = ("shape (all but the first dimension)", lambda a: None if a.shape is None else a.shape[1:])
+    dtype = ("dtype", lambda a: a.dtype)
+    dev = ("device", lambda a: a.device)
+    scale = [("op", lambda a: ReduceOp(a.op).name.capitalize()),
+             ("prescale_factor", lambda a: a.prescale), ("postscale_factor", lambda a: a.postscale)]
+    if kind == "allreduce":
+        return [dtype, shape, *scale, dev]
+    if kind == "reducescatter":
+        return [dtype, shape, *scale, dev]
+    if kind in ("allgather", "alltoall"):
+        return [dtype, tail, dev]
+    if kind == "broadcast":
+        return [("root_rank", lambda a: a.root), dtype, shape, dev]
+    if kind == "broadcast_object":
+        return [("root_rank", lambda a: a.root)]
+    return []
+
+
+_SAME_ALL = ("allreduce", "reducescatter", "broadcast", "barrier")
+
+
+def check_agreement(kind: str, name: str, anns: dict) -> Optional[str]:
+    """Return an error message if the ranks' metadata for one request differ."""
+    it = iter(anns.values())
+    first = next(it)
+    if kind in _SAME_ALL:
+        if all(a == first for a in it):
+            return None
+    elif kind in ("allgather", "alltoall"):
+        key = (first.kind, first.dtype, first.shape[1:] if first.shape else None, first.device)
+        if all((a.kind, a.dtype, a.shape[1:] if a.shape else None, a.device) == key for a in it):
+            return None
+    kinds = {r: a.kind for r, a in anns.items()}
+    if len(set(kinds.values())) > 1:
+        return f"tensor '{name}' was submitted to different operations: {group_ranks(kinds)}"
+    for label, get in _compare_fields(kind):
+        values = {r: get(a) for r, a in anns.items()}
+        if len(set(map(repr, values.values()))) > 1:
+            return f"{kind} of tensor '{name}': {label} differs across ranks: {group_ranks(values)}"
+    return None
+
+
+class Negotiator:
+    """Replicated table of requests that some but not all ranks have submitted."""
+
+    def __init__(self, size: int):
+        if size < 1:
+            raise ValueError(f"size must be >= 1, got {size}")
+        self.size = size
+        self.pending: dict[str, Pending] = {}     # insertion order = decision order
+        self.joined: list[int] = []               # ranks in join(), in the order they joined
+        self.shut: set[int] = set()
+
+    @property
+    def busy(self) -> bool:
+        """True while some rank waits for another: every rank should keep negotiating."""
+        return bool(self.pending) or bool(self.joined) or bool(self.shut)
+
+    def step(self, msgs: list, now: float = 0.0) -> list:
+        """Apply one cycle's messages (index = rank); return the decisions, in order."""
+        if len(msgs) != self.size:
+            raise ValueError(f"expected {self.size} messages, got {len(msgs)}")
+        fast = self._step_lockstep(msgs)
+        if fast is not None:
+            return fast
+        out: list[Response] = []
+        for rank, msg in enumerate(msgs):
+            eager = dict(msg.payloads) if msg.payloads else None
+            for i, ann in enumerate(msg.anns):
+                p = self.pending.get(ann.name)
+                if p is None:
+                    p = self.pending[ann.name] = Pending(ann.name, since=now)
+                if rank in p.anns:
+                    # Cannot happen with a well-behaved engine (names in flight are refused locally).
+                    out.append(Response(ann.name, ann.kind, {rank: ann}, error=(
+                        f"tensor '{ann.name}' was submitted twice by rank {rank}"), error_kind="mismatch"))
+                    continue
+                p.anns[rank] = ann
+                if eager is not None and i in eager:
+                    p.data[rank] = eager[i]
+            if msg.join and rank not in self.joined:
+                self.joined.append(rank)
+            if msg.shutdown:
+                self.shut.add(rank)
+        for rank, msg in enumerate(msgs):
+            for name, reason in msg.cancels:
+                p = self.pending.pop(name, None)
+                if p is not None and p.anns:
+                    out.append(Response(name, next(iter(p.anns.values())).kind, p.anns,
+                                        error=reason, error_kind="stall"))
+        joined = frozenset(self.joined)
+        for name in list(self.pending):
+            p = self.pending[name]
+            resp = self._decide(p, joined)
+            if resp is not None:
+                del self.pending[name]
+                out.append(resp)
+        if len(self.joined) == self.size:
+            # Everyone has joined: the join completes, returning the last rank to join.
+            out.append(Response("join", "join", {}, last_joined=self.joined[-1]))
+            self.joined = []
+        if len(self.shut) == self.size:
+            for name, p in self.pending.items():
+                out.append(Response(name, p.anns and next(iter(p.anns.values())).kind or "", p.anns,
+                                    error="the runtime shut down on every rank before "
+                                          f"tensor '{name}' was submitted everywhere",
+                                    error_kind="shutdown"))
+            self.pending.clear()
+            out.append(Response("shutdown", "shutdown", {}))
+            self.shut = set()
+        return out
+
+    def _step_lockstep(self, msgs: list) -> Optional[list]:
+        """Fast path for the common case: nothing pending, and every rank announced the same
+        names in this cycle (and nothing else). Returns None when it does not apply."""
+        if self.pending or self.joined or self.shut:
+            return None
+        m0 = msgs[0]
+        n = len(m0.anns)
+        for m in msgs:
+            if m.cancels or m.join or m.shutdown or len(m.anns) != n:
+                return None
+        names = [a.name for a in m0.anns]
+        if len(set(names)) != n:
+            return None
+        for m in msgs[1:]:
+            if [a.name for a in m.anns] != names:
+                return None
+        eager = [dict(m.payloads) if m.payloads else None for m in msgs]
+        out = []
+        ranks = range(self.size)
+        for i, name in enumerate(names):
+            anns = {r: msgs[r].anns[i] for r in ranks}
+            first = m0.anns[i]
+            err = check_agreement(first.kind, name, anns)
+            if err:
+                out.append(Response(name, first.kind, anns, error=err, error_kind="mismatch"))
+                continue
+            if first.kind == "alltoall" and any(
+                    a.splits is not None and len(a.splits) != self.size for a in anns.values()):
+                return None   # let the general path report it
+            data = None
+            if all(e is not None and i in e for e in eager):
+                data = {r: eager[r][i] for r in ranks}
+            out.append(Response(name, first.kind, anns, data=data))
+        return out
+
+    def _decide(self, p: Pending, joined: frozenset) -> Optional[Response]:
+        first = next(iter(p.anns.values()))
+        missing = [r for r in range(self.size) if r not in p.anns and r not in joined]
+        gone = [r for r in missing if r in self.shut]
+        if gone:
+            return Response(p.name, first.kind, p.anns, error=(
+                f"{first.kind} of tensor '{p.name}' cannot complete: rank(s) {_ranks(gone)} "
+                "called shutdown() without submitting it"), error_kind="shutdown")
+        if missing:
+            return None
+        err = check_agreement(first.kind, p.name, p.anns)
+        if err:
+            return Response(p.name, first.kind, p.anns, joined=joined, error=err, error_kind="mismatch")
+        part_joined = frozenset(r for r in joined if r not in p.anns)
+        if part_joined and first.kind not in ("allreduce", "allgather", "barrier"):
+            return Response(p.name, first.kind, p.anns, joined=part_joined, error=(
+                f"{first.kind} of tensor '{p.name}' cannot run while rank(s) "
+                f"{_ranks(sorted(part_joined))} have joined; only allreduce, allgather and "
+                "barrier continue after hvd.join()"), error_kind="joined")
+        if first.kind == "alltoall":
+            bad = {r: a.splits for r, a in p.anns.items() if a.splits is not None and len(a.splits) != self.size}
+            if bad:
+                return Response(p.name, first.kind, p.anns, error=(
+                    f"alltoall of tensor '{p.name}': splits must have one entry per rank "
+                    f"({self.size}): {group_ranks(bad)}"), error_kind="mismatch")
+        data = p.data if p.data and len(p.data) == len(p.anns) else None
+        return Response(p.name, first.kind, p.anns, joined=part_joined, data=data)
+
+    def stalled(self, now: float, older_than: float) -> list:
+        """Requests some ranks submitted and others have not, for longer than ``older_than`` s."""
+        joined = set(self.joined)
+        out = []
+        for p in self.pending.values():
+            if now - p.since >= older_than and p.anns:
+                missing = [r for r in range(self.size) if r not in p.anns and r not in joined]
+                if missing:
+                    out.append(StallInfo(p.name, next(iter(p.anns.values())).kind,
+                                         sorted(p.anns), missing, p.since))
+        return out
+
+
+# ---------------------------------------------------------------- fusion
+
+def buffer_itemsize(dtype: str) -> int:
+    """Bytes per element in a reduction buffer (half types reduce in float32)."""
+    return 4 if dtype in HALF else np.dtype(dtype).itemsize
+
+
+def nbytes(ann: Ann) -> int:
+    return math.prod(ann.shape or ()) * buffer_itemsize(ann.dtype or "uint8")
+
+
+@dataclass
+class Bucket:
+    """Allreduces carried out as one reduction over one fusion buffer."""
+
+    responses: list
+    key: tuple
+
+    @property
+    def names(self) -> list:
+        return [r.name for r in self.responses]
+
+
+def fusion_key(resp: Response) -> tuple:
+    a = resp.first
+    return (a.dtype, a.op, a.prescale, a.postscale, a.device, resp.joined)
+
+
+def plan_fusion(responses: list, threshold: int) -> list:
+    """Group ready allreduces that share dtype, op, scale factors, device and joined ranks
+    into buckets of at most ``threshold`` bytes (a larger tensor gets a bucket of its own;
+    ``threshold`` 0 disables fusion). Other responses pass through unchanged, in order;
+    a bucket takes the place of its first member."""
+    plan: list = []
+    open_buckets: dict[tuple, tuple[Bucket, int]] = {}
+    for resp in responses:
+        if resp.kind != "allreduce" or resp.error is not None or resp.data is not None:
+            plan.append(resp)   # eager allreduces are reduced locally from the negotiation data
+            continue
+        key = fusion_key(resp)
+        size = nbytes(resp.first)
+        current = open_buckets.get(key)
+        if threshold > 0 and current is not None and current[1] + size <= threshold:
+            current[0].responses.append(resp)
+            open_buckets[key] = (current[0], current[1] + size)
+            continue
+        bucket = Bucket([resp], key)
+        plan.append(bucket)
+        open_buckets[key] = (bucket, size)
+    return plan

@@ -1,0 +1,223 @@
+"""Process-wide runtime state: init/shutdown, topology, build facts."""
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from .errors import NOT_INITIALIZED
+
+
+@dataclass
+class _State:
+    comm: Any = None          # the communicator hvd trains on (world or a subset)
+    engine: Any = None
+    timeline: Any = None
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+    cross_rank: int = 0
+    cross_size: int = 1
+    threads: bool = False
+
+
+_state = _State()
+_lock = threading.Lock()
+
+
+def _mpi():
+    from mpi4py import MPI
+    return MPI
+
+
+def init(comm: Optional[Any] = None) -> None:
+    """Start the runtime on this rank. Call on every rank (of ``comm``) before any collective.
+
+    ``comm`` may be an mpi4py communicator, or a list of world ranks to train on a subset
+    (only the ranks in the list call ``init``). Calling ``init`` again while initialized
+    does nothing; after ``shutdown`` it starts a fresh runtime.
+    """
+    with _lock:
+        if _state.engine is not None and _state.engine.dead is None:
+            return
+        MPI = _mpi()
+        world = MPI.COMM_WORLD
+        if comm is None:
+            base = world
+        elif isinstance(comm, MPI.Comm):
+            if comm == MPI.COMM_NULL:
+                raise ValueError("init(comm=...) got MPI.COMM_NULL: this process is not in that "
+                                 "communicator; only its members call hvd.init(comm)")
+            base = comm
+        elif isinstance(comm, Sequence) and not isinstance(comm, (str, bytes)):
+            ranks = [int(r) for r in comm]
+            if len(set(ranks)) != len(ranks) or not ranks:
+                raise ValueError(f"init(comm={ranks}): ranks must be a non-empty list without repeats")
+            bad = [r for r in ranks if not 0 <= r < world.Get_size()]
+            if bad:
+                raise ValueError(f"init(comm={ranks}): rank(s) {bad} do not exist; the world has "
+                                 f"{world.Get_size()} ranks")
+            if world.Get_rank() not in ranks:
+                raise ValueError(f"init(comm={ranks}): this process is world rank {world.Get_rank()}, "
+                                 "which is not in the list; only the listed ranks call hvd.init")
+            group = world.Get_group().Incl(ranks)
+            base = world.Create_group(group)
+            group.Free()
+        else:
+            raise TypeError(f"init(comm=...) takes an mpi4py communicator or a list of ranks, "
+                            f"not {type(comm).__name__}")
+        from .engine import Config, Engine
+        from .timeline import Timeline, TimelineWriter
+
+        cfg = Config.from_env()
+        mine = base.Dup()
+        local = mine.Split_type(MPI.COMM_TYPE_SHARED, key=mine.Get_rank())
+        cross = mine.Split(color=local.Get_rank(), key=mine.Get_rank())
+        tl = Timeline(mine.Get_rank())
+        _state.comm = base
+        _state.rank, _state.size = mine.Get_rank(), mine.Get_size()
+        _state.local_rank, _state.local_size = local.Get_rank(), local.Get_size()
+        _state.cross_rank, _state.cross_size = cross.Get_rank(), cross.Get_size()
+        _state.threads = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        local.Free()
+        cross.Free()
+        _state.timeline = tl
+        if cfg.timeline:
+            tl.recording = True
+            tl.mark_cycles = cfg.timeline_mark_cycles
+        engine = Engine(mine, cfg, tl)
+        if cfg.timeline and _state.rank == 0:
+            engine.writer = TimelineWriter(cfg.timeline, cfg.timeline_mark_cycles)
+        _state.engine = engine
+
+
+def shutdown(timeout: Optional[float] = None) -> None:
+    """Stop the runtime on this rank once every rank has called ``shutdown`` (waits up to
+    ``timeout`` s, default ``HVD_MAGIC_SHUTDOWN_TIMEOUT`` or 30). Pending work fails."""
+    with _lock:
+        engine = _state.engine
+        if engine is None:
+            return
+        if timeout is None:
+            timeout = float(os.environ.get("HVD_MAGIC_SHUTDOWN_TIMEOUT", "30"))
+        finished = engine.shutdown(timeout)
+        if finished:
+            engine.comm.Free()
+        else:
+            import sys
+            sys.stderr.write(f"[hvd_magic rank {_state.rank}] shutdown: the other ranks did not call "
+                             f"shutdown() within {timeout:g} s; leaving without them\n")
+        _state.engine = None
+
+
+def _at_exit() -> None:
+    if _state.engine is not None and _state.engine.dead is None:
+        try:
+            shutdown(timeout=float(os.environ.get("HVD_MAGIC_EXIT_TIMEOUT", "10")))
+        except Exception:
+            pass
+
+
+atexit.register(_at_exit)
+
+
+def engine():
+    e = _state.engine
+    if e is None:
+        raise ValueError(NOT_INITIALIZED)
+    return e
+
+
+def is_initialized() -> bool:
+    return _state.engine is not None
+
+
+def _require() -> _State:
+    if _state.engine is None:
+        raise ValueError(NOT_INITIALIZED)
+    return _state
+
+
+def size() -> int:
+    """Number of ranks training together."""
+    return _require().size
+
+
+def rank() -> int:
+    """This process's rank, 0 .. size()-1."""
+    return _require().rank
+
+
+def local_size() -> int:
+    """Number of ranks on this host."""
+    return _require().local_size
+
+
+def local_rank() -> int:
+    """This rank's index among the ranks on its host (use it to pick a GPU)."""
+    return _require().local_rank
+
+
+def cross_size() -> int:
+    """Number of hosts (ranks with the same local rank across hosts)."""
+    return _require().cross_size
+
+
+def cross_rank() -> int:
+    """This host's index among the hosts."""
+    return _require().cross_rank
+
+
+def mpi_threads_supported() -> bool:
+    """True when MPI runs with MPI_THREAD_MULTIPLE."""
+    if _state.engine is not None:
+        return _state.threads
+    MPI = _mpi()
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+
+def mpi_built() -> bool:
+    return importlib.util.find_spec("mpi4py") is not None
+
+
+def mpi_enabled() -> bool:
+    return mpi_built()
+
+
+def gloo_built() -> bool:
+    """torch.distributed with gloo is available (the CPU path of the torch backend)."""
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_gloo_available()
+
+
+def gloo_enabled() -> bool:
+    return gloo_built()
+
+
+def nccl_built() -> bool:
+    """torch.distributed with NCCL is available (needs a CUDA build of torch)."""
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_nccl_available()
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def cuda_built() -> bool:
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+    return torch.backends.cuda.is_built()
+
+
+def rocm_built() -> bool:
+    return False
