@@ -322,6 +322,11 @@ class Engine:
             self._fail_all(ShutdownError("hvd_magic was shut down before this request finished"))
             if self.writer is not None:
                 self.writer.close()
+            if self._torch_backend is not None:
+                try:
+                    self._torch_backend.close()
+                except Exception:  # noqa: BLE001 - best effort at shutdown
+                    pass
             self.stopped.set()
 
     def _fail_all(self, err: BaseException) -> None:

@@ -1,0 +1,276 @@
+"""torch.distributed backend: NCCL for CUDA tensors, gloo for CPU tensors.
+
+The process group is set up from the engine's MPI communicator: rank 0 opens a
+``TCPStore`` (on 127.0.0.1 when every rank is on one host) and sends its address
+over MPI, so no launcher variables are needed. The same code runs with gloo on
+CPU tensors (``HOROVOD_CPU_OPERATIONS=gloo``), which is how the tests exercise the
+path that NCCL takes on GPUs. What only a GPU can show (NCCL itself, CUDA streams)
+is marked in the tests as ``gpu``.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from typing import Any, Optional
+
+import numpy as np
+
+from .. import ops
+from ..ops import ReduceOp
+from ..timeline import MEMCPY_IN, MEMCPY_OUT, now_us
+from .common import row_elems, scatter_rows
+
+
+def _torch():
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:
+        raise ImportError("the torch.distributed backend needs PyTorch: pip install torch "
+                          "(or set HOROVOD_CPU_OPERATIONS=mpi)") from None
+    if not dist.is_available():
+        raise RuntimeError("this PyTorch build has no torch.distributed; use HOROVOD_CPU_OPERATIONS=mpi")
+    return torch, dist
+
+
+class TorchBackend:
+    """Collectives through torch.distributed (one process group for the engine)."""
+
+    def __init__(self, comm: Any, timeline: Any):
+        torch, dist = _torch()
+        self.torch, self.dist = torch, dist
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.tl = timeline
+        self.group = self._setup(comm)
+        self.cuda = torch.cuda.is_available()
+        self.prefix = "GLOO"
+        self._ops = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.AVERAGE: dist.ReduceOp.SUM,
+                     ReduceOp.MIN: dist.ReduceOp.MIN, ReduceOp.MAX: dist.ReduceOp.MAX,
+                     ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT}
+
+    # -------------------------------------------------------------- set-up
+    def _setup(self, comm: Any) -> Any:
+        torch, dist = self.torch, self.dist
+        if dist.is_initialized():
+            if dist.get_world_size() == self.size and dist.get_rank() == self.rank:
+                return None   # the user's default group matches: share it
+            raise RuntimeError(
+                f"torch.distributed is already initialized with world size {dist.get_world_size()} "
+                f"and rank {dist.get_rank()}, but hvd_magic runs {self.size} ranks (this one is "
+                f"{self.rank}); destroy that process group or initialize it with the same ranks")
+        from mpi4py import MPI
+        hosts = comm.allgather(socket.gethostname())
+        single_host = len(set(hosts)) == 1
+        addr = "127.0.0.1" if single_host else os.environ.get(
+            "HVD_MAGIC_RENDEZVOUS_ADDR", socket.gethostbyname(socket.gethostname()))
+        if single_host:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        timeout = datetime.timedelta(seconds=float(os.environ.get("HVD_MAGIC_TORCH_INIT_TIMEOUT", "120")))
+        if self.rank == 0:
+            store = dist.TCPStore(addr, 0, self.size, is_master=True, timeout=timeout,
+                                  wait_for_workers=False)
+            port = store.port
+        else:
+            port = 0
+        addr, port = comm.bcast((addr, port), root=0)
+        if self.rank != 0:
+            store = dist.TCPStore(addr, port, self.size, is_master=False, timeout=timeout)
+        backend = "cpu:gloo,cuda:nccl" if (torch.cuda.is_available() and dist.is_nccl_available()) else "gloo"
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.size,
+                                timeout=timeout)
+        self._store = store
+        self._owns_group = True
+        comm.Barrier()
+        del MPI
+        return None
+
+    def close(self) -> None:
+        """Destroy the process group this backend created (its threads must not outlive Python)."""
+        if getattr(self, "_owns_group", False) and self.dist.is_initialized():
+            self.dist.destroy_process_group()
+            self._owns_group = False
+
+    # -------------------------------------------------------------- helpers
+    def _tensor(self, x: Any) -> Any:
+        """A torch view of the user's tensor (numpy arrays are wrapped without a copy)."""
+        torch = self.torch
+        if isinstance(x, np.ndarray):
+            x = np.ascontiguousarray(x)
+            if not x.flags.writeable:
+                x = x.copy()
+            return torch.from_numpy(x)
+        return x.detach()
+
+    def _dtype(self, name: str) -> Any:
+        return getattr(self.torch, name)
+
+    def _red_dtype(self, name: str, device: str) -> Any:
+        torch = self.torch
+        if name == "bool":
+            return torch.uint8
+        if name in ops.HALF and device == "cpu":
+            return torch.float32     # gloo reduces half types poorly; do it in float32
+        return self._dtype(name)
+
+    def _out(self, req: Any, t: Any) -> None:
+        """Hand ``t`` (torch, the request's dtype) back in the user's type."""
+        user = req.tensor
+        if req.out is not None:
+            if isinstance(req.out, np.ndarray):
+                np.copyto(req.out, t.cpu().numpy().reshape(req.out.shape), casting="unsafe")
+            else:
+                req.out.copy_(t.reshape(req.out.shape))
+            req.handle._result = req.out
+        elif isinstance(user, np.ndarray):
+            req.handle._result = t.cpu().numpy()
+        else:
+            req.handle._result = t
+
+    def _finish(self, buf: Any, op: ReduceOp, postscale: float, n_contrib: int) -> None:
+        if buf.is_floating_point():
+            f = postscale / n_contrib if op == ReduceOp.AVERAGE else postscale
+            if f != 1.0:
+                buf.mul_(f)
+            return
+        if op == ReduceOp.AVERAGE and n_contrib != 1:
+            buf.div_(n_contrib, rounding_mode="floor")
+        if postscale != 1.0:
+            buf.copy_(buf * postscale)
+
+    def _identity(self, op: ReduceOp, dtype: Any) -> Any:
+        torch = self.torch
+        if op in (ReduceOp.SUM, ReduceOp.AVERAGE):
+            return 0
+        if op == ReduceOp.PRODUCT:
+            return 1
+        if dtype.is_floating_point:
+            return float("inf") if op == ReduceOp.MIN else float("-inf")
+        info = torch.iinfo(dtype)
+        return info.max if op == ReduceOp.MIN else info.min
+
+    def _dist_op(self, op: ReduceOp, dtype_name: str) -> Any:
+        if dtype_name == "bool" and op == ReduceOp.PRODUCT:
+            return self.dist.ReduceOp.MIN
+        return self._ops[ReduceOp(op)]
+
+    # -------------------------------------------------------------- allreduce
+    def allreduce(self, entries: list, n_contrib: int) -> None:
+        torch, dist = self.torch, self.dist
+        ann0 = entries[0][1]
+        op = ReduceOp(ann0.op)
+        device = torch.device("cuda", torch.cuda.current_device()) if ann0.device == "cuda" else torch.device("cpu")
+        red = self._red_dtype(ann0.dtype, ann0.device)
+        sizes = [int(np.prod(a.shape)) for _, a in entries]
+        tl = self.tl.active
+        t0 = now_us() if tl else 0.0
+        buf = torch.empty(sum(sizes), dtype=red, device=device)
+        off = 0
+        for (req, ann), n in zip(entries, sizes):
+            part = buf[off:off + n]
+            if req is None:
+                part.fill_(self._identity(op, red))
+            else:
+                part.copy_(self._tensor(req.tensor).reshape(-1))
+            off += n
+        if ann0.prescale != 1.0:
+            buf.mul_(ann0.prescale)
+        t1 = now_us() if tl else 0.0
+        dist.all_reduce(buf, op=self._dist_op(op, ann0.dtype), group=self.group)
+        t2 = now_us() if tl else 0.0
+        self._finish(buf, op, ann0.postscale, n_contrib)
+        out_dtype = self._dtype(ann0.dtype)
+        off = 0
+        for (req, ann), n in zip(entries, sizes):
+            if req is not None:
+                self._out(req, buf[off:off + n].to(out_dtype).reshape(ann.shape).clone())
+            off += n
+        if tl:
+            t3 = now_us()
+            args = {"bytes": int(buf.numel() * buf.element_size()), "tensors": [a.name for _, a in entries]}
+            for _, ann in entries:
+                if len(entries) > 1:
+                    self.tl.add(ann.name, MEMCPY_IN, t0, t1 - t0)
+                self.tl.add(ann.name, f"{self.prefix}_ALLREDUCE", t1, t2 - t1, args)
+                if len(entries) > 1:
+                    self.tl.add(ann.name, MEMCPY_OUT, t2, t3 - t2)
+
+    # -------------------------------------------------------------- allgather
+    def allgather(self, req: Optional[Any], anns: dict, n_ranks: int) -> None:
+        torch, dist = self.torch, self.dist
+        ann0 = next(iter(anns.values()))
+        dev = torch.device("cuda", torch.cuda.current_device()) if ann0.device == "cuda" else torch.device("cpu")
+        dt = torch.uint8 if ann0.dtype == "bool" else self._dtype(ann0.dtype)
+        tail = tuple(ann0.shape[1:]) if ann0.shape else ()
+        rows = [anns[r].shape[0] if r in anns and anns[r].shape else 0 for r in range(self.size)]
+        most = max(rows)
+        send = torch.zeros((most,) + tail, dtype=dt, device=dev)
+        if req is not None and rows[self.rank]:
+            send[:rows[self.rank]].copy_(self._tensor(req.tensor).reshape((rows[self.rank],) + tail).to(dt))
+        recv = [torch.empty_like(send) for _ in range(self.size)]
+        t0 = now_us() if self.tl.active else 0.0
+        dist.all_gather(recv, send, group=self.group)
+        if self.tl.active:
+            self.tl.add(ann0.name, f"{self.prefix}_ALLGATHER", t0, now_us() - t0)
+        if req is not None:
+            out = torch.cat([recv[r][:rows[r]] for r in range(self.size)], dim=0).to(self._dtype(ann0.dtype))
+            req.handle.extra = rows
+            self._out(req, out)
+
+    # -------------------------------------------------------------- broadcast
+    def broadcast(self, req: Any, anns: dict) -> None:
+        torch, dist = self.torch, self.dist
+        ann0 = next(iter(anns.values()))
+        root = ann0.root
+        shape = anns[root].shape
+        dev = torch.device("cuda", torch.cuda.current_device()) if ann0.device == "cuda" else torch.device("cpu")
+        dt = torch.uint8 if ann0.dtype == "bool" else self._dtype(ann0.dtype)
+        if self.rank == root:
+            buf = self._tensor(req.tensor).reshape(shape).to(dt).clone()
+        else:
+            buf = torch.empty(shape, dtype=dt, device=dev)
+        t0 = now_us() if self.tl.active else 0.0
+        dist.broadcast(buf, src=root, group=self.group)
+        if self.tl.active:
+            self.tl.add(ann0.name, f"{self.prefix}_BCAST", t0, now_us() - t0)
+        self._out(req, buf.to(self._dtype(ann0.dtype)))
+
+    # -------------------------------------------------------------- alltoall
+    def alltoall(self, req: Any, anns: dict) -> None:
+        torch, dist = self.torch, self.dist
+        ann0 = anns[self.rank]
+        dt = torch.uint8 if ann0.dtype == "bool" else self._dtype(ann0.dtype)
+        send = self._tensor(req.tensor).to(dt).contiguous()
+        send_rows = list(ann0.splits)
+        recv_rows = [anns[r].splits[self.rank] for r in range(self.size)]
+        out = torch.empty((sum(recv_rows),) + tuple(ann0.shape[1:]), dtype=dt, device=send.device)
+        t0 = now_us() if self.tl.active else 0.0
+        dist.all_to_all_single(out, send, output_split_sizes=recv_rows, input_split_sizes=send_rows,
+                               group=self.group)
+        if self.tl.active:
+            self.tl.add(ann0.name, f"{self.prefix}_ALLTOALL", t0, now_us() - t0)
+        req.handle.extra = recv_rows
+        self._out(req, out.to(self._dtype(ann0.dtype)))
+
+    # -------------------------------------------------------------- reducescatter
+    def reducescatter(self, req: Any, anns: dict) -> None:
+        """Allreduce, then keep this rank's rows (gloo has no reduce_scatter)."""
+        ann0 = anns[self.rank]
+        op = ReduceOp(ann0.op)
+        t = self._tensor(req.tensor)
+        red = self._red_dtype(ann0.dtype, ann0.device)
+        buf = t.to(red).clone().reshape(-1)
+        if ann0.prescale != 1.0:
+            buf.mul_(ann0.prescale)
+        t0 = now_us() if self.tl.active else 0.0
+        self.dist.all_reduce(buf, op=self._dist_op(op, ann0.dtype), group=self.group)
+        if self.tl.active:
+            self.tl.add(ann0.name, f"{self.prefix}_REDUCESCATTER", t0, now_us() - t0)
+        self._finish(buf, op, ann0.postscale, self.size)
+        rows = scatter_rows(ann0.shape[0], self.size)
+        re = row_elems(ann0.shape)
+        start = sum(rows[:self.rank]) * re
+        mine = buf[start:start + rows[self.rank] * re].reshape((rows[self.rank],) + tuple(ann0.shape[1:]))
+        self._out(req, mine.to(self._dtype(ann0.dtype)).clone())
