@@ -236,10 +236,11 @@ class Engine:
         self.thread.start()
 
     def _ring(self) -> None:
-        try:
-            self._bell.release()
-        except RuntimeError:   # already rung
-            pass
+        if self._bell.locked():
+            try:
+                self._bell.release()
+            except RuntimeError:   # rung by another thread in between
+                pass
 
     # ------------------------------------------------------------------ user side
     def submit(self, ann: Ann, tensor: Any, out: Any = None,

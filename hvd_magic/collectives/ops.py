@@ -64,8 +64,15 @@ def is_torch(x: Any) -> bool:
     return t is not None and isinstance(x, t.Tensor)
 
 
+_NP_NAMES = {np.dtype(n): n for n in DTYPES if n != "bfloat16"}
+
+
 def dtype_name(x: Any) -> str:
     """Canonical dtype name of a numpy array or torch tensor."""
+    if isinstance(x, np.ndarray):
+        name = _NP_NAMES.get(x.dtype)
+        if name is not None:
+            return name
     if is_torch(x):
         name = str(x.dtype).replace("torch.", "")
     elif isinstance(x, np.ndarray):

@@ -281,9 +281,14 @@ class Negotiator:
 
 # ---------------------------------------------------------------- fusion
 
+_ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8,
+             "float16": 4, "bfloat16": 4, "float32": 4, "float64": 8}
+
+
 def buffer_itemsize(dtype: str) -> int:
     """Bytes per element in a reduction buffer (half types reduce in float32)."""
-    return 4 if dtype in HALF else np.dtype(dtype).itemsize
+    size = _ITEMSIZE.get(dtype)
+    return size if size is not None else np.dtype(dtype).itemsize
 
 
 def nbytes(ann: Ann) -> int:

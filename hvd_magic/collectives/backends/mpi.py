@@ -1,6 +1,7 @@
 """MPI backend: mpi4py collectives on numpy buffers (CPU tensors)."""
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Optional
 
@@ -75,7 +76,7 @@ class MPIBackend:
             self._finish(res, op, ann0.postscale, n_contrib)
             req.set_array(res, dtype)
             return
-        sizes = [int(np.prod(a.shape)) for _, a in entries]
+        sizes = [math.prod(a.shape) for _, a in entries]
         total = sum(sizes)
         buf = self._fusion_buffer(red, total)
         t0 = now_us() if tl else 0.0

@@ -10,6 +10,7 @@ is marked in the tests as ``gpu``.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import socket
 from typing import Any, Optional
@@ -163,7 +164,7 @@ class TorchBackend:
         op = ReduceOp(ann0.op)
         device = torch.device("cuda", torch.cuda.current_device()) if ann0.device == "cuda" else torch.device("cpu")
         red = self._red_dtype(ann0.dtype, ann0.device)
-        sizes = [int(np.prod(a.shape)) for _, a in entries]
+        sizes = [math.prod(a.shape) for _, a in entries]
         tl = self.tl.active
         t0 = now_us() if tl else 0.0
         buf = torch.empty(sum(sizes), dtype=red, device=device)

