@@ -4,12 +4,11 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
-import os
 import sys
 from typing import List, Optional, TextIO
 
 from .launch import MpiNotFoundError, detect_mpi, execute, find_mpiexec, prepare
-from .plan import LaunchArgs, parse_hostfile, parse_hosts
+from .plan import LaunchArgs, parse_hostfile, parse_hosts, validate
 
 DESCRIPTION = """\
 Run COMMAND on N ranks with mpiexec (Open MPI 5 or MPICH), Horovod-style.
@@ -71,17 +70,21 @@ def build_parser() -> argparse.ArgumentParser:
                        help="hosts and their slots, e.g. node1:4,node2:4 (default: this machine)")
     hosts.add_argument("--hostfile", metavar="FILE",
                        help="file with one host per line, 'host slots=N' or 'host:N'")
-    p.add_argument("--timeline-filename", metavar="F", help="write a Horovod timeline (HOROVOD_TIMELINE)")
+    p.add_argument("--timeline-filename", metavar="F",
+                   help="write a Horovod timeline (HOROVOD_TIMELINE)")
     p.add_argument("--fusion-threshold-mb", type=_nonneg(float, "MB"), metavar="M",
                    help="tensor fusion buffer in MiB (HOROVOD_FUSION_THRESHOLD, bytes)")
     p.add_argument("--cycle-time-ms", type=_nonneg(float, "ms"), metavar="T",
                    help="engine cycle time in ms (HOROVOD_CYCLE_TIME)")
     p.add_argument("--stall-check-seconds", type=_nonneg(float, "s"), metavar="S",
-                   help="warn about stalled collectives after S s (HOROVOD_STALL_CHECK_TIME_SECONDS)")
-    p.add_argument("--output-filename", metavar="DIR", help="write each rank's output to files under DIR")
+                   help="warn about stalled collectives after S s "
+                        "(HOROVOD_STALL_CHECK_TIME_SECONDS)")
+    p.add_argument("--output-filename", metavar="DIR",
+                   help="write each rank's output to files under DIR")
     p.add_argument("--network-interface", metavar="IF",
                    help="network interface for multi-host traffic, e.g. eth0")
-    p.add_argument("--verbose", action="store_true", help="print the mpiexec command and what it means")
+    p.add_argument("--verbose", action="store_true",
+                   help="print the mpiexec command and what it means")
     p.add_argument("--check-build", action="store_true",
                    help="show which frameworks, controllers and operations are available, and exit")
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND...",
@@ -105,7 +108,8 @@ def to_launch_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> L
                 with open(ns.hostfile) as fh:
                     hosts = parse_hostfile(fh.read(), ns.hostfile)
             except OSError as exc:
-                raise ValueError(f"--hostfile {ns.hostfile}: cannot read it ({exc.strerror})") from None
+                raise ValueError(f"--hostfile {ns.hostfile}: cannot read it "
+                                 f"({exc.strerror})") from None
         args = LaunchArgs(np=ns.np, command=command, hosts=hosts, hostfile=ns.hostfile,
                           timeline_filename=ns.timeline_filename,
                           fusion_threshold_mb=ns.fusion_threshold_mb,
@@ -113,17 +117,7 @@ def to_launch_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> L
                           stall_check_seconds=ns.stall_check_seconds,
                           output_filename=ns.output_filename,
                           network_interface=ns.network_interface, verbose=ns.verbose)
-        if ns.hostfile is not None and hosts is not None:
-            # hosts came from the file: keep them for single-host detection and slot checks,
-            # but pass the file itself (not -H) to mpiexec.
-            from .plan import validate
-            validate(args)
-            args.hosts = None
-            args.extra_env = {}
-            args._file_hosts = hosts  # type: ignore[attr-defined]
-        else:
-            from .plan import validate
-            validate(args)
+        validate(args)
     except ValueError as exc:
         parser.error(str(exc))
     return args
@@ -136,9 +130,10 @@ def _version(dist: str) -> Optional[str]:
         return None
 
 
-def check_build(out: TextIO = sys.stdout) -> int:
+def check_build(out: Optional[TextIO] = None) -> int:
     """Print what is available, Horovod's ``--check-build`` style; return 0."""
     from .. import __version__
+    out = out or sys.stdout
 
     def row(ok: bool, label: str, detail: str = "") -> None:
         out.write(f"    [{'X' if ok else ' '}] {label}{f' ({detail})' if detail else ''}\n")
@@ -181,27 +176,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     if ns.check_build:
         return check_build()
     args = to_launch_args(ns, parser)
-    file_hosts = getattr(args, "_file_hosts", None)
     try:
-        if file_hosts is not None:
-            args.hosts = file_hosts
-            argv_, env = prepare(args)
-            argv_ = _hosts_to_hostfile(argv_, args)
-        else:
-            argv_, env = prepare(args)
+        argv_, env = prepare(args)
     except MpiNotFoundError as exc:
         sys.stderr.write(f"hvdrun: {exc}\n")
         return 127
     return execute(argv_, env)
-
-
-def _hosts_to_hostfile(argv: List[str], args: LaunchArgs) -> List[str]:
-    """Swap the ``-H``/``-hosts`` the planner wrote for the user's hostfile flag."""
-    for flag, file_flag in (("-H", "--hostfile"), ("-hosts", "-f")):
-        if flag in argv:
-            i = argv.index(flag)
-            return argv[:i] + [file_flag, str(args.hostfile)] + argv[i + 2:]
-    return argv
 
 
 if __name__ == "__main__":

