@@ -5,7 +5,8 @@ torch tensors. ``import hvd_magic.collectives as hvd``; the framework faces
 from .api import (allgather, allgather_async, allgather_object, allreduce, allreduce_,
                   allreduce_async, allreduce_async_, alltoall, alltoall_async, barrier,
                   broadcast, broadcast_, broadcast_async, broadcast_async_, broadcast_object,
-                  grouped_allreduce, grouped_allreduce_, grouped_allreduce_async, join, pending,
+                  grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
+                  grouped_allreduce_async_, GroupHandle, join, pending,
                   poll, reducescatter, reducescatter_async, start_timeline, stop_timeline,
                   subscribe, synchronize)
 from .engine import Handle

@@ -8,6 +8,7 @@ not given, so unnamed calls must come in the same order on every rank).
 from __future__ import annotations
 
 import itertools
+import math
 import pickle
 import threading
 from typing import Any, Optional, Sequence
@@ -93,34 +94,115 @@ def allreduce_(tensor: Any, name: Optional[str] = None, op: Any = Average,
     return _allreduce_async(tensor, tensor, name, op, prescale_factor, postscale_factor, True).wait()
 
 
-def grouped_allreduce_async(tensors: Sequence[Any], name: Optional[str] = None, op: Any = Average,
-                            prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
-    """Start allreduces of a list of tensors negotiated together (and fused); returns handles."""
+class GroupHandle:
+    """Handle of a grouped allreduce: ``synchronize`` returns the list of results."""
+
+    def __init__(self, parts: list, count: int):
+        self._parts = parts          # [(Handle, [indices into the user's list])]
+        self._count = count
+
+    def done(self) -> bool:
+        return all(h.done() for h, _ in self._parts)
+
+    def wait(self, timeout: Optional[float] = None) -> list:
+        out: list = [None] * self._count
+        for handle, idxs in self._parts:
+            for i, piece in zip(idxs, handle.wait(timeout)):
+                out[i] = piece
+        return out
+
+
+def _grouped(tensors: Sequence[Any], name: Optional[str], op: Any, prescale: float,
+             postscale: float, inplace: bool, urgent: bool) -> GroupHandle:
+    """Pack each (dtype, framework) group into one flat buffer negotiated and reduced as one
+    request, then hand back views (or copy into the inputs when in place)."""
     if not isinstance(tensors, (list, tuple)):
         raise TypeError("grouped_allreduce takes a list of tensors")
     base = _name("grouped_allreduce", name)
-    return [_allreduce_async(t, None, f"{base}.{i}", op, prescale_factor, postscale_factor)
-            for i, t in enumerate(tensors)]
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        dtype, _, device = _check_tensor(t, "grouped_allreduce")
+        groups.setdefault((dtype, device, ops.is_torch(t)), []).append(i)
+    parts = []
+    for (dtype, device, _), idxs in groups.items():
+        label = base if len(groups) == 1 else f"{base}.{dtype}"
+        if device != "cpu":   # device tensors: one request each, fused by the engine
+            for i in idxs:
+                t = tensors[i]
+                h = _allreduce_async(t, t if inplace else None, f"{label}.{i}", op, prescale,
+                                     postscale, urgent)
+                parts.append((_Single(h), [i]))
+            continue
+        members = [tensors[i] for i in idxs]
+        flat = np.concatenate([ops.as_numpy(t).reshape(-1) for t in members]) if members else None
+        shapes = [tuple(t.shape) for t in members]
+
+        def split(result: Any, _extra: Any, members=members, shapes=shapes, dtype=dtype) -> list:
+            pieces, off = [], 0
+            for t, shape in zip(members, shapes):
+                n = math.prod(shape)
+                piece = result[off:off + n].reshape(shape)
+                off += n
+                if inplace:
+                    if ops.is_torch(t):
+                        t.copy_(ops.wrap_like(np.ascontiguousarray(piece), dtype, t))
+                    else:
+                        np.copyto(t, piece, casting="unsafe")
+                    pieces.append(t)
+                else:
+                    pieces.append(ops.wrap_like(piece, dtype, t))
+            return pieces
+
+        op_ = ops.to_op(op)
+        ops.check_op_dtype(op_, dtype)
+        ann = Ann(label, "allreduce", dtype, flat.shape, int(op_), -1,
+                  _factor(prescale, "prescale_factor"), _factor(postscale, "postscale_factor"), device)
+        parts.append((engine().submit(ann, flat, post=split, urgent=urgent), idxs))
+    return GroupHandle(parts, len(tensors))
+
+
+class _Single:
+    """Adapts a one-tensor handle to the list protocol of GroupHandle parts."""
+
+    def __init__(self, handle: Handle):
+        self.h = handle
+
+    def done(self) -> bool:
+        return self.h.done()
+
+    def wait(self, timeout: Optional[float] = None) -> list:
+        return [self.h.wait(timeout)]
+
+
+def grouped_allreduce_async(tensors: Sequence[Any], name: Optional[str] = None, op: Any = Average,
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> GroupHandle:
+    """Start a grouped allreduce; ``synchronize(handle)`` returns the list of results."""
+    return _grouped(tensors, name, op, prescale_factor, postscale_factor, False, False)
+
+
+def grouped_allreduce_async_(tensors: Sequence[Any], name: Optional[str] = None, op: Any = Average,
+                             prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> GroupHandle:
+    """In-place :func:`grouped_allreduce_async`."""
+    return _grouped(tensors, name, op, prescale_factor, postscale_factor, True, False)
 
 
 def grouped_allreduce(tensors: Sequence[Any], name: Optional[str] = None, op: Any = Average,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
-    """:func:`allreduce` of each tensor in the list, as one fused reduction where they fit.
+    """:func:`allreduce` of each tensor in the list, negotiated and reduced together: tensors
+    of one dtype travel as one flat buffer (one request, one reduction).
 
-    Example, 2 ranks::
+    Example, 2 ranks, op=Sum::
 
-        rank 0: grouped_allreduce([np.ones(2), np.zeros(3)])   -> [ones(2)*2, ...] with op=Sum
+        rank 0: grouped_allreduce([np.ones(2), np.zeros(1)], op=hvd.Sum)  -> [[2., 2.], [1.]]
+        rank 1: grouped_allreduce([np.ones(2), np.ones(1)], op=hvd.Sum)   -> [[2., 2.], [1.]]
     """
-    return [h.wait() for h in grouped_allreduce_async(tensors, name, op, prescale_factor, postscale_factor)]
+    return _grouped(tensors, name, op, prescale_factor, postscale_factor, False, True).wait()
 
 
 def grouped_allreduce_(tensors: Sequence[Any], name: Optional[str] = None, op: Any = Average,
                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
-    """In-place :func:`grouped_allreduce`."""
-    base = _name("grouped_allreduce", name)
-    hs = [_allreduce_async(t, t, f"{base}.{i}", op, prescale_factor, postscale_factor)
-          for i, t in enumerate(tensors)]
-    return [h.wait() for h in hs]
+    """In-place :func:`grouped_allreduce`: each tensor holds its result."""
+    return _grouped(tensors, name, op, prescale_factor, postscale_factor, True, True).wait()
 
 
 # ---------------------------------------------------------------- allgather
@@ -323,7 +405,7 @@ def _split_objects(raw: np.ndarray, rows: Any) -> list:
 
 def poll(handle: Handle) -> bool:
     """True once the operation behind ``handle`` has finished (never blocks)."""
-    if not isinstance(handle, Handle):
+    if not isinstance(handle, (Handle, GroupHandle)):
         raise TypeError(f"poll takes a handle from an *_async call, not {type(handle).__name__}")
     return handle.done()
 
@@ -331,7 +413,7 @@ def poll(handle: Handle) -> bool:
 def synchronize(handle: Handle, timeout: Optional[float] = None) -> Any:
     """Wait for ``handle``'s operation and return its result (raising its error, if any).
     The wait can be interrupted (Ctrl-C, the notebook's stop button)."""
-    if not isinstance(handle, Handle):
+    if not isinstance(handle, (Handle, GroupHandle)):
         raise TypeError(f"synchronize takes a handle from an *_async call, not {type(handle).__name__}")
     return handle.wait(timeout)
 

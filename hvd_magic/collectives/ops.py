@@ -111,7 +111,8 @@ def as_numpy(x: Any) -> np.ndarray:
         if t.dtype == _torch().bfloat16:
             t = t.view(_torch().int16)
         return t.numpy()
-    return np.ascontiguousarray(x)
+    a = np.ascontiguousarray(x)
+    return a if a.ndim == x.ndim else a.reshape(x.shape)   # ascontiguousarray makes 0-d 1-d
 
 
 def np_dtype(name: str) -> np.dtype:

@@ -60,20 +60,33 @@ class MPIBackend:
         if len(entries) == 1 and entries[0][0] is not None and dtype not in ops.HALF:
             req, ann = entries[0]
             src = req.src()
-            if ann0.prescale != 1.0:
-                src = (src * ann0.prescale).astype(red, copy=False)
             target = req.inplace_target()
             t0 = now_us() if tl else 0.0
-            if target is not None and src is target:
+            if target is not None and src is target and ann0.prescale == 1.0:
                 self.comm.Allreduce(MPI.IN_PLACE, target, op=mop)
                 res = target
+                self._finish(res, op, ann0.postscale, n_contrib)
+            elif red.kind == "f" and op in (ReduceOp.SUM, ReduceOp.AVERAGE):
+                # One pass: scale (prescale, and 1/n for Average) while copying into the
+                # result, then reduce in place; no separate pass after the reduction.
+                res = target if target is not None else np.empty(src.shape, dtype=red)
+                pre = ann0.prescale / n_contrib if op == ReduceOp.AVERAGE else ann0.prescale
+                if pre != 1.0:
+                    np.multiply(src, red.type(pre), out=res)
+                elif res is not src:
+                    np.copyto(res, src)
+                self.comm.Allreduce(MPI.IN_PLACE, res, op=mop)
+                if ann0.postscale != 1.0:
+                    res *= red.type(ann0.postscale)
             else:
+                if ann0.prescale != 1.0:
+                    src = (src * ann0.prescale).astype(red, copy=False)
                 res = np.empty(src.shape, dtype=red)
                 self.comm.Allreduce(src, res, op=mop)
+                self._finish(res, op, ann0.postscale, n_contrib)
             if tl:
                 self.tl.add(ann.name, f"{self.prefix}_ALLREDUCE", t0, now_us() - t0,
                             {"bytes": res.nbytes, "tensors": names})
-            self._finish(res, op, ann0.postscale, n_contrib)
             req.set_array(res, dtype)
             return
         sizes = [math.prod(a.shape) for _, a in entries]
@@ -97,14 +110,19 @@ class MPIBackend:
         t2 = now_us() if tl else 0.0
         self._finish(buf, op, ann0.postscale, n_contrib)
         off = 0
+        fresh = None
+        if dtype not in ops.HALF and any(r is not None and r.out is None for r, _ in entries):
+            fresh = buf.copy()      # one copy; out-of-place results are views into it
         for (req, ann), n in zip(entries, sizes):
             if req is not None:
                 part = buf[off:off + n]
                 if dtype in ops.HALF:
                     out = np.empty(n, dtype=ops.np_dtype(dtype))
                     ops.downcast_into(out, part, dtype)
+                elif req.out is None:
+                    out = fresh[off:off + n]
                 else:
-                    out = part.copy()
+                    out = part
                 req.set_array(out.reshape(ann.shape), dtype)
             off += n
         if tl:
