@@ -390,7 +390,8 @@ class Engine:
         shut, self._shutdown_announce = self._shutdown_announce, False
         payloads = []
         if self._eager_max:
-            budget = self._slot - 1024
+            # Room left in the fixed slot once the metadata (~100 bytes a request) is in.
+            budget = self._slot - 1024 - 100 * len(new)
             for i, r in enumerate(new):
                 a = r.ann
                 if a.kind == "allreduce" and a.device == "cpu":

@@ -26,6 +26,15 @@ def mpi_op(op: int, dtype: str) -> MPI.Op:
     return _OP_CACHE[(int(op), dtype == "bool")]
 
 
+_EAGER_UFUNCS = {}
+for _op, _uf in ((ReduceOp.SUM, np.add), (ReduceOp.AVERAGE, np.add), (ReduceOp.MIN, np.minimum),
+                 (ReduceOp.MAX, np.maximum), (ReduceOp.PRODUCT, np.multiply)):
+    _EAGER_UFUNCS[(_op, False)] = _uf
+_EAGER_UFUNCS.update({(ReduceOp.MIN, True): np.logical_and, (ReduceOp.MAX, True): np.logical_or,
+                      (ReduceOp.PRODUCT, True): np.logical_and,
+                      (ReduceOp.SUM, True): np.logical_or, (ReduceOp.AVERAGE, True): np.logical_or})
+
+
 def _bytes(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1).view(np.uint8)
 
@@ -138,38 +147,33 @@ class MPIBackend:
         rank computes bit-identical results) without another round of communication."""
         ann = req.ann
         dtype, op = ann.dtype, ReduceOp(ann.op)
-        red = np.dtype("float32") if dtype in ops.HALF else np.dtype(dtype)
+        half = dtype in ops.HALF
+        red = np.dtype("float32") if half else np.dtype(dtype)
         carried = ops.np_dtype(dtype)
         t0 = now_us() if self.tl.active else 0.0
-        acc = None
-        for r in sorted(resp.data):
-            x = ops.upcast(np.frombuffer(resp.data[r], dtype=carried), dtype)
-            if ann.prescale != 1.0:
-                x = (x * ann.prescale).astype(red, copy=False)
-            if acc is None:
-                acc = x.astype(red, copy=True)
-            elif op in (ReduceOp.SUM, ReduceOp.AVERAGE):
-                acc += x
-            elif op == ReduceOp.PRODUCT:
-                acc = np.logical_and(acc, x) if red.kind == "b" else acc * x
-            elif op == ReduceOp.MIN:
-                acc = np.logical_and(acc, x) if red.kind == "b" else np.minimum(acc, x)
-            else:
-                acc = np.logical_or(acc, x) if red.kind == "b" else np.maximum(acc, x)
-        acc = acc.astype(red, copy=False)
+        data = resp.data
+        arrs = [np.frombuffer(data[r], dtype=carried) for r in sorted(data)]
+        if half:
+            arrs = [ops.upcast(a, dtype) for a in arrs]
+        if ann.prescale != 1.0:
+            arrs = [(a * ann.prescale).astype(red, copy=False) for a in arrs]
+        target = req.inplace_target() if not half else None
+        acc = target.reshape(-1) if target is not None else np.empty(arrs[0].size, dtype=red)
+        ufunc = _EAGER_UFUNCS[(op, red.kind == "b")]
+        if len(arrs) == 1:
+            np.copyto(acc, arrs[0], casting="unsafe")
+        else:
+            ufunc(arrs[0], arrs[1], out=acc, casting="unsafe")
+            for a in arrs[2:]:
+                ufunc(acc, a, out=acc, casting="unsafe")
         self._finish(acc, op, ann.postscale, n_contrib)
-        if dtype in ops.HALF:
+        if half:
             out = np.empty(acc.size, dtype=carried)
             ops.downcast_into(out, acc, dtype)
             acc = out
         if self.tl.active:
             self.tl.add(ann.name, "EAGER_ALLREDUCE", t0, now_us() - t0, {"bytes": int(acc.nbytes)})
-        target = req.inplace_target()
-        if target is not None:
-            target.reshape(-1)[...] = acc
-            req.set_array(target, dtype)
-        else:
-            req.set_array(acc.reshape(ann.shape), dtype)
+        req.set_array(target if target is not None else acc.reshape(ann.shape), dtype)
 
     @staticmethod
     def _finish(buf: np.ndarray, op: ReduceOp, postscale: float, n_contrib: int) -> None:
