@@ -1,0 +1,117 @@
+"""hvd_magic.torch: the horovod.torch face. Multi-rank checks run under real mpiexec
+(tests/mpi/torch_checks.py groups them, one launch per rank count)."""
+import inspect
+import re
+
+import pytest
+import torch
+
+import hvd_magic.torch as hvd
+from mpi_harness import mpirun
+
+HOROVOD_NAMES = """init shutdown size rank local_rank local_size cross_rank cross_size is_initialized
+mpi_threads_supported mpi_enabled mpi_built gloo_enabled gloo_built nccl_built ddl_built ccl_built
+cuda_built rocm_built is_homogeneous start_timeline stop_timeline poll synchronize join barrier
+broadcast_object allgather_object allreduce allreduce_ allreduce_async allreduce_async_
+grouped_allreduce grouped_allreduce_ grouped_allreduce_async grouped_allreduce_async_ allgather
+allgather_async broadcast broadcast_ broadcast_async broadcast_async_ alltoall reducescatter
+Average Sum Adasum Min Max Product Compression DistributedOptimizer broadcast_parameters
+broadcast_optimizer_state SyncBatchNorm HorovodInternalError""".split()
+
+
+def test_public_names():
+    missing = [n for n in HOROVOD_NAMES if not hasattr(hvd, n)]
+    assert not missing
+
+
+def test_signatures_match_horovod():
+    sig = inspect.signature
+    ar = sig(hvd.allreduce).parameters
+    assert list(ar) == ["tensor", "average", "name", "compression", "op", "prescale_factor",
+                        "postscale_factor"]
+    assert [ar[n].default for n in list(ar)[1:]] == [None, None, hvd.Compression.none, None, 1.0, 1.0]
+    assert list(sig(hvd.allreduce_async_).parameters) == ["tensor", "average", "name", "op",
+                                                          "prescale_factor", "postscale_factor"]
+    assert list(sig(hvd.broadcast).parameters) == ["tensor", "root_rank", "name"]
+    params = list(sig(hvd.DistributedOptimizer).parameters.values())
+    assert [p.name for p in params] == ["optimizer", "named_parameters", "compression",
+                                        "backward_passes_per_step", "op",
+                                        "gradient_predivide_factor", "groups", "sparse_as_dense"]
+    assert [p.default for p in params[1:]] == [None, hvd.Compression.none, 1, hvd.Average, 1.0,
+                                               None, False]
+    assert list(sig(hvd.broadcast_parameters).parameters) == ["params", "root_rank"]
+    assert sig(hvd.broadcast_optimizer_state).parameters["root_rank"].default == 0
+
+
+def test_compression_dtypes():
+    t = torch.randn(4)
+    c, ctx = hvd.Compression.fp16.compress(t)
+    assert c.dtype == torch.float16 and hvd.Compression.fp16.decompress(c, ctx).dtype == torch.float32
+    c, ctx = hvd.Compression.bf16.compress(t)
+    assert c.dtype == torch.bfloat16
+    i = torch.arange(3)
+    assert hvd.Compression.fp16.compress(i)[0] is i
+    assert hvd.Compression.none.compress(t)[0] is t
+
+
+@pytest.fixture
+def one_rank():
+    """The runtime on this process alone, shut down afterwards (other tests expect it off)."""
+    was = hvd.is_initialized()
+    hvd.init()
+    yield
+    if not was:
+        hvd.shutdown()
+
+
+def test_single_process(one_rank):
+    """One rank (no mpiexec): everything works and reduces to the plain optimizer."""
+    assert hvd.size() == 1 and hvd.rank() == 0
+    torch.manual_seed(0)
+    m = torch.nn.Linear(3, 2)
+    opt = hvd.DistributedOptimizer(torch.optim.Adam(m.parameters(), lr=0.1),
+                                   named_parameters=m.named_parameters())
+    assert isinstance(opt, torch.optim.Adam)
+    m(torch.ones(4, 3)).sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    assert m.weight.grad is None
+    hvd.broadcast_parameters(m.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert opt.state_dict()["param_groups"][0]["lr"] == 0.1
+    bn = hvd.SyncBatchNorm(2)
+    ref = torch.nn.BatchNorm1d(2)
+    x = torch.randn(5, 2)
+    assert torch.allclose(bn(x), ref(x))
+    with pytest.raises(ValueError, match="unique"):
+        hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                 named_parameters=[("a", m.weight), ("a", m.bias)])
+    with pytest.raises(ValueError, match="Adasum"):
+        hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), op=hvd.Adasum)
+    with pytest.warns(DeprecationWarning):
+        assert torch.equal(hvd.allreduce(torch.ones(2), average=False), torch.ones(2))
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_torch_checks_under_mpi(np_):
+    proc = mpirun("torch_checks.py", np_, timeout=120)
+    assert proc.stdout.count("done, 0 failures") == np_, proc.stdout + proc.stderr
+
+
+def test_digits_script_trains(tmp_path):
+    proc = mpirun("torch_digits.py", 2, str(tmp_path), timeout=120)
+    acc = float(re.search(r"accuracy ([0-9.]+)", proc.stdout).group(1))
+    assert acc > 0.9, proc.stdout
+    writers = set(re.findall(r"checkpoint written by rank (\d+)", proc.stdout))
+    assert writers == {"0"}, proc.stdout
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]
+    saved = torch.load(tmp_path / "checkpoint.pt")
+    assert saved["epoch"] == 9 and "model" in saved
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_allreduce_single_rank(one_rank):
+    torch.cuda.set_device(hvd.local_rank())
+    t = torch.ones(3, device="cuda")
+    assert torch.equal(hvd.allreduce(t, op=hvd.Sum).cpu(), torch.ones(3) * hvd.size())
