@@ -36,7 +36,7 @@ from .timeline import CYCLE, NEGOTIATE, QUEUE, Timeline, TimelineWriter, now_us
 
 SLOT = 8192            # bytes per rank in the first negotiation round
 EAGER_MAX = 4096       # an allreduce input this small rides in the negotiation message itself
-SPIN_S = 200e-6        # poll without sleeping this long
+SPIN_S = 200e-6        # poll without sleeping this long (only while a user thread waits)
 MIN_SLEEP_S = 20e-6
 MAX_POLL_S = 1e-3      # longest sleep between polls while waiting for other ranks
 
@@ -109,15 +109,20 @@ class Handle:
     def wait(self, timeout: Optional[float] = None) -> Any:
         """Block until done (interruptible), then return the result or raise the error."""
         if not self._done:
-            self._engine.urgent()
+            engine = self._engine
+            engine.urgent()
             deadline = None if timeout is None else time.monotonic() + timeout
             lock = self._lock
-            while not lock.acquire(True, 0.5 if deadline is None else
-                                   max(0.0, min(0.5, deadline - time.monotonic()))):
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(f"{self.kind} of tensor '{self.name}' did not finish "
-                                       f"within {timeout} s")
-                self._engine.raise_if_dead(self.name)
+            engine.waiters += 1
+            try:
+                while not lock.acquire(True, 0.5 if deadline is None else
+                                       max(0.0, min(0.5, deadline - time.monotonic()))):
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise TimeoutError(f"{self.kind} of tensor '{self.name}' did not finish "
+                                           f"within {timeout} s")
+                    engine.raise_if_dead(self.name)
+            finally:
+                engine.waiters -= 1
             lock.release()   # leave it open for any other waiter
         if self._error is not None:
             raise self._error
@@ -210,6 +215,7 @@ class Engine:
         self._shutdown_announce = False
         self._urgent = False
         self._stop_requested = False
+        self.waiters = 0      # user threads blocked on a handle: then polling may spin
         self.dead: Optional[BaseException] = None
         self.stopped = threading.Event()
         # Small allreduces ride in the negotiation message (one round trip instead of two)
@@ -463,10 +469,13 @@ class Engine:
         """Wait for a non-blocking MPI request without burning a core."""
         if req.Test():
             return
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < SPIN_S:
-            if req.Test():
-                return
+        if self.waiters > 0:
+            # Someone is blocked on a result, so the cores are not needed for training:
+            # poll without sleeping for a moment (sleep-and-wake would cost tens of us).
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < SPIN_S:
+                if req.Test():
+                    return
         delay = MIN_SLEEP_S
         last_tick = time.monotonic()
         while not req.Test():
