@@ -124,8 +124,10 @@ def _grouped(tensors: Sequence[Any], name: Optional[str], op: Any, prescale: flo
         dtype, _, device = _check_tensor(t, "grouped_allreduce")
         groups.setdefault((dtype, device, ops.is_torch(t)), []).append(i)
     parts = []
-    for (dtype, device, _), idxs in groups.items():
+    for (dtype, device, is_t), idxs in groups.items():
         label = base if len(groups) == 1 else f"{base}.{dtype}"
+        if is_t and (dtype, device, False) in groups:
+            label += ".torch"   # numpy and torch tensors of one dtype: two requests, two names
         if device != "cpu":   # device tensors: one request each, fused by the engine
             for i in idxs:
                 t = tensors[i]
@@ -145,7 +147,7 @@ def _grouped(tensors: Sequence[Any], name: Optional[str], op: Any, prescale: flo
                 off += n
                 if inplace:
                     if ops.is_torch(t):
-                        t.copy_(ops.wrap_like(np.ascontiguousarray(piece), dtype, t))
+                        t.copy_(ops.wrap_like(np.ascontiguousarray(piece).reshape(shape), dtype, t))
                     else:
                         np.copyto(t, piece, casting="unsafe")
                     pieces.append(t)

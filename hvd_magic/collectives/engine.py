@@ -488,6 +488,12 @@ class Engine:
 
     # ------------------------------------------------------------------ execution
     def _take(self, name: str) -> Optional[LocalReq]:
+        if name in self._cancelled:
+            # The name may be reused (and stall again) from now on; a cancel not yet sent
+            # must not hit the next request of the same name.
+            self._cancelled.discard(name)
+            with self._mu:
+                self._cancels = [c for c in self._cancels if c[0] != name]
         return self._inflight.pop(name, None)
 
     def _backend(self, device: str):

@@ -112,6 +112,8 @@ def as_numpy(x: Any) -> np.ndarray:
             t = t.view(_torch().int16)
         return t.numpy()
     a = np.ascontiguousarray(x)
+    if not a.dtype.isnative:   # big-endian input: every path reads the bytes as native
+        a = a.astype(a.dtype.newbyteorder("="))
     return a if a.ndim == x.ndim else a.reshape(x.shape)   # ascontiguousarray makes 0-d 1-d
 
 

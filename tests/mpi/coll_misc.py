@@ -1,0 +1,420 @@
+"""Runtime behaviour beyond single ops: before-init errors, topology, different submission
+orders, names in flight, fusion read from the timeline (and threshold 0), HOROVOD_TIMELINE,
+join with uneven data, sub-communicators, shutdown + init again.
+
+usage: coll_misc.py TMPDIR   (a directory every rank can write; rank 0 writes timelines there)
+Exits nonzero with one line per failed check, prefixed by the rank."""
+import json
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+from mpi4py import MPI
+
+import hvd_magic.collectives as hvd
+
+TMP = sys.argv[1]
+WR, WN = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+FAILS = []
+SECTION = ""
+
+
+def fail(msg):
+    FAILS.append(f"[{SECTION}] {msg}")
+
+
+def check(cond, msg):
+    if not cond:
+        fail(msg)
+
+
+def section(name):
+    def deco(fn):
+        global SECTION
+        SECTION = name
+        try:
+            fn()
+        except Exception:
+            fail(f"raised\n{traceback.format_exc()}")
+        return fn
+    return deco
+
+
+def with_env(**env):
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+# ---------------------------------------------------------------- before init
+@section("before init")
+def _():
+    check(not hvd.is_initialized(), "is_initialized() before init")
+    for fn in (lambda: hvd.allreduce(np.ones(2)), lambda: hvd.rank(), lambda: hvd.size(),
+               lambda: hvd.allgather_async(np.ones(2)), lambda: hvd.barrier(),
+               lambda: hvd.broadcast_object(1), lambda: hvd.join(), lambda: hvd.start_timeline("x")):
+        try:
+            fn()
+            fail("no error before init")
+        except ValueError as e:
+            check("hvd.init()" in str(e), f"before-init message lacks 'hvd.init()': {e}")
+
+
+hvd.init()
+r, n = hvd.rank(), hvd.size()
+
+
+@section("topology")
+def _():
+    check(hvd.is_initialized(), "is_initialized() after init")
+    check((r, n) == (WR, WN), f"rank/size {(r, n)} != world {(WR, WN)}")
+    check(hvd.local_rank() == r and hvd.local_size() == n, f"local {hvd.local_rank()}/{hvd.local_size()}")
+    check(hvd.cross_rank() == 0 and hvd.cross_size() == 1, f"cross {hvd.cross_rank()}/{hvd.cross_size()}")
+    allt = hvd.allgather_object((hvd.rank(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(),
+                                 hvd.cross_size()))
+    check(sorted(t[1] for t in allt) == list(range(n)), f"local ranks not a permutation: {allt}")
+    check(len({t[2:] for t in allt}) == 1, f"local_size/cross differ: {allt}")
+    check(hvd.mpi_built() and hvd.mpi_enabled(), "mpi_built")
+    check(isinstance(hvd.mpi_threads_supported(), bool), "mpi_threads_supported")
+
+
+# ---------------------------------------------------------------- submission orders
+ORDERS = [["a", "b", "c"], ["c", "b", "a"], ["b", "c", "a"], ["a", "c", "b"]]
+
+
+def val(k, name, size):
+    return np.full(size, 10.0 * k + ord(name[-1]), dtype=np.float32)
+
+
+@section("different orders")
+def _():
+    for rnd, size in enumerate((3, 5000, 100000)):      # eager, MPI single/fused, bigger
+        order = ORDERS[r % len(ORDERS)]
+        hs = {}
+        for name in order:
+            hs[name] = hvd.allreduce_async(val(r, name, size), name=f"order{rnd}.{name}", op=hvd.Sum)
+        for name in reversed(order):
+            got = hvd.synchronize(hs[name])
+            ref = sum(val(k, name, size).astype(np.float64) for k in range(n))
+            check(np.allclose(got, ref), f"size {size} tensor {name}: {got[:3]} != {ref[:3]}")
+    # mixed kinds in different orders
+    order = ORDERS[r % len(ORDERS)]
+    hs = {}
+    for name in order:
+        if name == "a":
+            hs[name] = hvd.allgather_async(np.full((r + 1, 2), r), name="mixed.a")
+        elif name == "b":
+            hs[name] = hvd.broadcast_async(np.full(4, r), root_rank=n - 1, name="mixed.b")
+        else:
+            hs[name] = hvd.allreduce_async(np.full(6000, r, np.int64), name="mixed.c", op=hvd.Max)
+    check(np.array_equal(hvd.synchronize(hs["a"]), np.concatenate([np.full((k + 1, 2), k) for k in range(n)])),
+          "mixed allgather")
+    check(np.array_equal(hvd.synchronize(hs["b"]), np.full(4, n - 1)), "mixed broadcast")
+    check(np.array_equal(hvd.synchronize(hs["c"]), np.full(6000, n - 1)), "mixed allreduce")
+    # unnamed calls in the same order on every rank
+    for i in range(5):
+        check(np.allclose(hvd.allreduce(np.full(2, float(r + i))), (n - 1) / 2 + i), f"unnamed {i}")
+
+
+@section("large negotiation messages")
+def _():
+    # hundreds of requests with long names in one cycle: messages far above the 8 KiB slot
+    long = "x" * 200
+    for size in (4, 3000):
+        order = list(range(300)) if r % 2 == 0 else list(reversed(range(300)))
+        hs = {i: hvd.allreduce_async(np.full(size, float(r * i)), name=f"{long}.{size}.{i}") for i in order}
+        for i in range(300):
+            got = hvd.synchronize(hs[i])
+            check(np.allclose(got, i * (n - 1) / 2), f"big message size {size} tensor {i}: {got[:2]}")
+
+
+@section("read-only and odd inputs")
+def _():
+    ro = np.full(3000, float(r))
+    ro.flags.writeable = False
+    check(np.allclose(hvd.allreduce(ro, name="ro big"), (n - 1) / 2), "read-only big")
+    check(np.allclose(hvd.allreduce(ro[:3], name="ro small"), (n - 1) / 2), "read-only small")
+    bc = np.broadcast_to(np.float32(r), (50, 40))      # zero strides
+    check(np.allclose(hvd.allreduce(bc, name="bcast view", op=hvd.Sum), sum(range(n))), "broadcast_to input")
+    check(np.allclose(hvd.allgather(ro[:2], name="ro gather"), np.repeat(np.arange(n), 2)), "read-only gather")
+    fortran = np.asfortranarray(np.arange(12.0).reshape(3, 4) + r)
+    check(np.allclose(hvd.allreduce(fortran, name="fortran"), np.arange(12.0).reshape(3, 4) + (n - 1) / 2),
+          "fortran-order input")
+    check(hvd.grouped_allreduce([], name="empty group") == [], "empty grouped_allreduce")
+
+
+@section("name in flight")
+def _():
+    h = hvd.allreduce_async(np.full(10, float(r)), name="dup")
+    try:
+        hvd.allreduce_async(np.ones(10), name="dup")
+        fail("second submission of 'dup' did not raise")
+    except ValueError as e:
+        check("dup" in str(e) and "in flight" in str(e), f"message: {e}")
+    check(np.allclose(hvd.synchronize(h), (n - 1) / 2), "first 'dup' result")
+    # reusable once finished
+    check(np.allclose(hvd.allreduce(np.full(10, 1.0), name="dup"), 1.0), "reuse of finished name")
+
+
+def load_timeline(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def xevents(events, phase=None):
+    return [e for e in events if e.get("ph") == "X" and (phase is None or e["name"] == phase)]
+
+
+def fusion_batch(tag, count=32, elems=2048):
+    """count async allreduces of 8 KiB float32 (above the eager limit), then wait for all."""
+    hs = [hvd.allreduce_async(np.full(elems, float(r + i), np.float32), name=f"{tag}.{i}", op=hvd.Sum)
+          for i in range(count)]
+    for i, h in enumerate(hs):
+        got = hvd.synchronize(h)
+        check(np.allclose(got, sum(k + i for k in range(n))), f"{tag}.{i} value {got[:2]}")
+    return [f"{tag}.{i}" for i in range(count)]
+
+
+@section("fusion via start_timeline")
+def _():
+    path = os.path.join(TMP, "fusion.json")
+    hvd.start_timeline(path)
+    names = []
+    for b in range(3):
+        names += fusion_batch(f"fuse{b}")
+    hvd.allreduce(np.ones(2), name="small eager")
+    hvd.stop_timeline()
+    if r == 0:
+        ev = load_timeline(path)
+        ars = xevents(ev, "MPI_ALLREDUCE")
+        check(ars, "no MPI_ALLREDUCE events")
+        fused = [e for e in ars if len(e.get("args", {}).get("tensors", [])) >= 2]
+        check(fused, f"no fused MPI_ALLREDUCE (tensors per call: "
+                     f"{[len(e.get('args', {}).get('tensors', [])) for e in ars][:20]})")
+        covered = {t for e in ars for t in e.get("args", {}).get("tensors", [])}
+        check(set(names) <= covered, f"tensors missing from MPI_ALLREDUCE events: {set(names) - covered}")
+        phases = {e["name"] for e in xevents(ev)}
+        for p in ("NEGOTIATE", "QUEUE", "MPI_ALLREDUCE", "MEMCPY_IN_FUSION_BUFFER",
+                  "MEMCPY_OUT_FUSION_BUFFER", "EAGER_ALLREDUCE"):
+            check(p in phases, f"phase {p} missing (have {sorted(phases)})")
+        pids = {e["pid"] for e in xevents(ev)}
+        check(pids == set(range(n)), f"pids {pids} != ranks")
+        for k in range(n):
+            kp = {e["name"] for e in xevents(ev) if e["pid"] == k}
+            check({"NEGOTIATE", "QUEUE", "MPI_ALLREDUCE"} <= kp, f"rank {k} phases {kp}")
+        meta = {e["pid"] for e in ev if e.get("name") == "process_name"}
+        check(meta == set(range(n)), f"process_name rows {meta}")
+    # recording is off after stop: a second start/stop gives a fresh valid file
+    path2 = os.path.join(TMP, "fusion2.json")
+    hvd.start_timeline(path2)
+    hvd.allreduce(np.ones(3000), name="after restart")
+    hvd.stop_timeline()
+    if r == 0:
+        ev = load_timeline(path2)
+        cats = {e.get("cat") for e in xevents(ev)}
+        check("after restart" in cats and not any(c and c.startswith("fuse") for c in cats),
+              f"second timeline has {sorted(c for c in cats if c)[:10]}")
+
+
+@section("subscribe")
+def _():
+    got = []
+    unsub = hvd.subscribe(got.extend)
+    hvd.allreduce(np.ones(3000), name="sub.big")
+    hvd.allreduce(np.ones(3), name="sub.small")
+    deadline = time.monotonic() + 5
+    while not any(e[1] == "sub.small" and e[2] == "EAGER_ALLREDUCE" for e in got) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    seen = {(e[1], e[2]) for e in got}
+    for want in (("sub.big", "NEGOTIATE"), ("sub.big", "QUEUE"), ("sub.big", "MPI_ALLREDUCE"),
+                 ("sub.small", "EAGER_ALLREDUCE")):
+        check(want in seen, f"subscriber missed {want}: {sorted(seen)}")
+    check(all(e[0] == r for e in got), "subscriber got another rank's events")
+    unsub()
+    got.clear()
+    hvd.allreduce(np.ones(3000), name="sub.after")
+    hvd.barrier()
+    time.sleep(0.05)
+    check(not got, f"events after unsubscribe: {got[:3]}")
+
+
+@section("join with uneven data")
+def _():
+    # rank k does k+1 steps, then joins. Step i is contributed by ranks k >= i.
+    for rep in range(2):
+        for i in range(r + 1):
+            hs = [
+                ("avg small", hvd.allreduce_async(np.full(3, 10.0 * r + i), name=f"j{rep}.{i}.s")),
+                ("avg big", hvd.allreduce_async(np.full(3000, 10.0 * r + i), name=f"j{rep}.{i}.b")),
+                ("sum int big", hvd.allreduce_async(np.full(3000, r + 1, np.int64), name=f"j{rep}.{i}.i",
+                                                    op=hvd.Sum)),
+                ("avg int", hvd.allreduce_async(np.full(3000, 2 * r + 1, np.int32), name=f"j{rep}.{i}.a")),
+                ("min big", hvd.allreduce_async(np.full(3000, float(r + 5)), name=f"j{rep}.{i}.m", op=hvd.Min)),
+                ("max small", hvd.allreduce_async(np.full(2, -r - 1, np.int8), name=f"j{rep}.{i}.x", op=hvd.Max)),
+                ("gather", hvd.allgather_async(np.full((r + 1, 2), r), name=f"j{rep}.{i}.g")),
+            ]
+            contrib = [k for k in range(n) if k >= i]
+            refs = {"avg small": np.mean([10.0 * k + i for k in contrib]),
+                    "avg big": np.mean([10.0 * k + i for k in contrib]),
+                    "sum int big": sum(k + 1 for k in contrib),
+                    "avg int": sum(2 * k + 1 for k in contrib) // len(contrib),
+                    "min big": min(k + 5 for k in contrib),
+                    "max small": max(-k - 1 for k in contrib)}
+            for what, h in hs:
+                got = hvd.synchronize(h)
+                if what == "gather":
+                    ref = np.concatenate([np.full((k + 1, 2), k) for k in contrib])
+                    check(np.array_equal(got, ref), f"rep {rep} step {i} gather: {got.tolist()}")
+                else:
+                    check(np.allclose(got, refs[what]),
+                          f"rep {rep} step {i} {what}: got {got[:2]} want {refs[what]} (contributors {contrib})")
+        last = hvd.join()
+        check(last == n - 1, f"rep {rep}: join returned {last}, want {n - 1}")
+        allv = hvd.allgather_object(last)
+        check(len(set(allv)) == 1, f"join results differ across ranks: {allv}")
+    check(np.allclose(hvd.allreduce(np.full(4, float(r))), (n - 1) / 2), "allreduce after join")
+    # barrier counts joined ranks as arrived; broadcast cannot run with a joined rank
+    if r == 0:
+        hvd.join()
+    else:
+        hvd.barrier(name="barrier with joined")
+        try:
+            hvd.broadcast(np.ones(3), root_rank=1, name="bcast with joined")
+            fail("broadcast with a joined rank did not raise")
+        except hvd.JoinedRankError as e:
+            check("'bcast with joined'" in str(e) and "rank(s) 0" in str(e), f"message {e}")
+        got = hvd.allreduce(np.full(3000, float(r)), name="ar with joined", op=hvd.Sum)
+        check(np.allclose(got, sum(range(1, n))), f"allreduce with rank 0 joined: {got[:2]}")
+        hvd.join()
+    check(np.allclose(hvd.allreduce(np.full(4, float(r)), name="after join 2"), (n - 1) / 2),
+          "allreduce after second join")
+
+
+@section("shutdown and init again")
+def _():
+    for i in range(2):
+        hvd.shutdown()
+        check(not hvd.is_initialized(), "is_initialized() after shutdown")
+        try:
+            hvd.allreduce(np.ones(1))
+            fail("allreduce after shutdown did not raise")
+        except ValueError as e:
+            check("hvd.init()" in str(e), f"message {e}")
+        hvd.init()
+        check(hvd.rank() == r and hvd.size() == n, "rank/size after re-init")
+        check(np.allclose(hvd.allreduce(np.full(5000, float(r)), name="reinit"), (n - 1) / 2), "value after re-init")
+
+
+@section("fusion threshold 0")
+def _():
+    hvd.shutdown()
+    with_env(HOROVOD_FUSION_THRESHOLD="0")
+    hvd.init()
+    path = os.path.join(TMP, "nofusion.json")
+    hvd.start_timeline(path)
+    names = fusion_batch("nofuse", count=16)
+    hvd.stop_timeline()
+    if r == 0:
+        ev = load_timeline(path)
+        ars = xevents(ev, "MPI_ALLREDUCE")
+        counts = [len(e.get("args", {}).get("tensors", [])) for e in ars]
+        check(ars and all(c == 1 for c in counts), f"threshold 0 tensors per call: {counts}")
+        for k in range(n):
+            mine = {e["args"]["tensors"][0] for e in ars if e["pid"] == k}
+            check(set(names) <= mine, f"rank {k}: calls for {len(mine)} tensors, want {len(names)}")
+    hvd.shutdown()
+    with_env(HOROVOD_FUSION_THRESHOLD=None)
+
+
+@section("HOROVOD_TIMELINE env")
+def _():
+    path = os.path.join(TMP, "env_timeline.json")
+    with_env(HOROVOD_TIMELINE=path)
+    hvd.init()
+    with_env(HOROVOD_TIMELINE=None)
+    fusion_batch("envtl", count=8)
+    hvd.allgather(np.ones((r + 1, 2)), name="envtl.gather")
+    hvd.broadcast(np.ones(3), 0, name="envtl.bcast")
+    hvd.shutdown()
+    if r == 0:
+        ev = load_timeline(path)
+        phases = {e["name"] for e in xevents(ev)}
+        for p in ("NEGOTIATE", "QUEUE", "MPI_ALLREDUCE", "MPI_ALLGATHER", "MPI_BCAST"):
+            check(p in phases, f"phase {p} missing (have {sorted(phases)})")
+        pids = {e["pid"] for e in xevents(ev)}
+        check(pids == set(range(n)), f"pids {pids}")
+        for k in range(n):
+            kp = {e["name"] for e in xevents(ev) if e["pid"] == k}
+            check({"NEGOTIATE", "QUEUE", "MPI_ALLREDUCE"} <= kp, f"rank {k} phases {kp}")
+        for e in xevents(ev):
+            check(isinstance(e["ts"], (int, float)) and e["dur"] >= 0, f"bad event {e}")
+            break
+
+
+@section("init(comm=mpi4py communicator)")
+def _():
+    color = WR % 2
+    sub = MPI.COMM_WORLD.Split(color, WR)
+    hvd.init(comm=sub)
+    members = [k for k in range(WN) if k % 2 == color]
+    check(hvd.size() == len(members) and hvd.rank() == members.index(WR),
+          f"split comm: size {hvd.size()} rank {hvd.rank()}")
+    got = hvd.allreduce(np.full(3000, float(WR)), op=hvd.Sum, name="sub")
+    check(np.allclose(got, sum(members)), f"split comm allreduce {got[:2]} want {sum(members)}")
+    check(hvd.allgather_object(WR) == members, "split comm allgather_object")
+    hvd.shutdown()
+    hvd.init(comm=MPI.COMM_WORLD)
+    check(hvd.size() == WN, "init(comm=COMM_WORLD) size")
+    check(np.allclose(hvd.allreduce(np.ones(2), name="world"), 1.0), "COMM_WORLD allreduce")
+    hvd.shutdown()
+    sub.Free()
+
+
+if WN == 3:
+    @section("init(comm=[0, 2])")
+    def _():
+        if WR == 1:
+            try:
+                hvd.init(comm=[0, 2])
+                fail("rank 1 init(comm=[0, 2]) did not raise")
+            except ValueError as e:
+                check("not in the list" in str(e) or "[0, 2]" in str(e), f"message {e}")
+            check(not hvd.is_initialized(), "rank 1 initialized after failed init")
+        else:
+            hvd.init(comm=[0, 2])
+            check(hvd.size() == 2 and hvd.rank() == WR // 2, f"size {hvd.size()} rank {hvd.rank()}")
+            got = hvd.allreduce(np.full(3, float(WR)), name="pair")
+            check(np.allclose(got, 1.0), f"pair allreduce small {got}")
+            got = hvd.allreduce(np.full(5000, float(WR)), name="pair big", op=hvd.Sum)
+            check(np.allclose(got, 2.0), f"pair allreduce big {got[:2]}")
+            check(hvd.local_size() == 2 and hvd.cross_size() == 1, "pair topology")
+            hvd.shutdown()
+        MPI.COMM_WORLD.Barrier()
+
+    @section("bad init args")
+    def _():
+        for bad in ([0, 0], [], [5]):
+            try:
+                hvd.init(comm=bad)
+                fail(f"init(comm={bad}) did not raise")
+            except ValueError:
+                pass
+
+
+@section("final world")
+def _():
+    hvd.init()
+    check(np.allclose(hvd.allreduce(np.full(2, float(r)), name="final"), (n - 1) / 2), "final allreduce")
+    hvd.shutdown()
+
+
+if FAILS:
+    for f in FAILS:
+        print(f"rank {WR}: FAIL {f}", file=sys.stderr)
+    print(f"rank {WR}: {len(FAILS)} failures", file=sys.stderr)
+    sys.exit(1)
+print(f"rank {WR}: coll_misc OK")

@@ -1,0 +1,254 @@
+"""Pure unit tests of hvd_magic.collectives.plan: the replicated negotiation table and the
+fusion planner. No MPI, no threads."""
+from __future__ import annotations
+
+import pytest
+
+from hvd_magic.collectives.ops import ReduceOp
+from hvd_magic.collectives.plan import (Ann, Bucket, Negotiator, RankMsg, Response, check_agreement,
+                                        nbytes, plan_fusion)
+
+
+def ar(name, shape=(4,), dtype="float32", op=ReduceOp.AVERAGE, pre=1.0, post=1.0, device="cpu"):
+    return Ann(name, "allreduce", dtype, tuple(shape), int(op), -1, pre, post, device)
+
+
+def msg(*anns, **kw):
+    return RankMsg(anns=tuple(anns), **kw)
+
+
+def idle():
+    return RankMsg()
+
+
+def names(responses):
+    return [r.name for r in responses]
+
+
+# ---------------------------------------------------------------- negotiation
+
+def test_lockstep_all_ready_in_one_cycle():
+    neg = Negotiator(3)
+    out = neg.step([msg(ar("a"), ar("b")) for _ in range(3)])
+    assert names(out) == ["a", "b"]
+    assert all(r.error is None for r in out)
+    assert set(out[0].anns) == {0, 1, 2}
+    assert not neg.busy
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_different_submission_orders_across_cycles(size):
+    """Rank 0 submits a,b,c; rank 1 c,b,a; rank 2 b,a,c - one tensor per cycle each.
+    Every tensor is decided exactly once, the moment its last rank submits it."""
+    orders = [["a", "b", "c"], ["c", "b", "a"], ["b", "a", "c"]][:size]
+    neg = Negotiator(size)
+    decided = []
+    for cycle in range(3):
+        out = neg.step([msg(ar(orders[r][cycle])) for r in range(size)], now=float(cycle))
+        assert all(r.error is None for r in out), out
+        decided += names(out)
+        for resp in out:
+            assert set(resp.anns) == set(range(size))
+    assert sorted(decided) == ["a", "b", "c"]
+    assert not neg.pending and not neg.busy
+    # Same inputs -> same decisions on a second replica (what keeps ranks in agreement).
+    neg2 = Negotiator(size)
+    again = []
+    for cycle in range(3):
+        again += names(neg2.step([msg(ar(orders[r][cycle])) for r in range(size)], now=float(cycle)))
+    assert again == decided
+
+
+def test_waits_for_missing_rank_and_busy():
+    neg = Negotiator(2)
+    assert neg.step([msg(ar("x")), idle()], now=1.0) == []
+    assert neg.busy
+    st = neg.stalled(now=5.0, older_than=2.0)
+    assert len(st) == 1 and st[0].name == "x" and st[0].ready_ranks == [0] and st[0].missing_ranks == [1]
+    assert "x" in st[0].describe(5.0) and "rank(s) 1" in st[0].describe(5.0)
+    assert neg.stalled(now=2.0, older_than=2.0) == []      # not old enough yet
+    out = neg.step([idle(), msg(ar("x"))], now=6.0)
+    assert names(out) == ["x"] and out[0].error is None
+    assert not neg.busy
+
+
+def _mismatch(size, make, kind="allreduce"):
+    neg = Negotiator(size)
+    out = neg.step([msg(make(r)) for r in range(size)])
+    assert len(out) == 1
+    r = out[0]
+    assert r.error is not None and r.error_kind == "mismatch", r
+    assert kind in r.error and "'t'" in r.error
+    return r.error
+
+
+def test_mismatch_shape_names_ranks_and_values():
+    err = _mismatch(3, lambda r: ar("t", shape=(3,) if r == 1 else (2,)))
+    assert "shape" in err and "rank 1 sent (3,)" in err and "ranks 0, 2 sent (2,)" in err
+
+
+def test_mismatch_dtype():
+    err = _mismatch(2, lambda r: ar("t", dtype="float32" if r == 0 else "float64"))
+    assert "dtype" in err and "rank 0 sent 'float32'" in err and "rank 1 sent 'float64'" in err
+
+
+def test_mismatch_op():
+    err = _mismatch(2, lambda r: ar("t", op=ReduceOp.SUM if r else ReduceOp.AVERAGE))
+    assert "op" in err and "Sum" in err and "Average" in err
+
+
+@pytest.mark.parametrize("field", ["pre", "post"])
+def test_mismatch_scale(field):
+    err = _mismatch(2, lambda r: ar("t", **{field: 1.0 + r}))
+    assert f"{field}scale_factor" in err and "rank 1 sent 2.0" in err
+
+
+def test_mismatch_root_rank():
+    err = _mismatch(2, lambda r: Ann("t", "broadcast", "float32", (2,), root=r), "broadcast")
+    assert "root_rank" in err and "rank 0 sent 0" in err and "rank 1 sent 1" in err
+
+
+def test_mismatch_allgather_trailing_dims_but_first_dim_may_differ():
+    neg = Negotiator(2)
+    ok = neg.step([msg(Ann("g", "allgather", "float32", (r + 1, 3))) for r in range(2)])
+    assert ok[0].error is None
+    err = _mismatch(2, lambda r: Ann("t", "allgather", "float32", (2, 3 + r)), "allgather")
+    assert "all but the first dimension" in err and "(3,)" in err and "(4,)" in err
+
+
+def test_mismatch_different_op_kinds():
+    err = Negotiator(2).step([msg(ar("t")), msg(Ann("t", "allgather", "float32", (4,)))])[0].error
+    assert "different operations" in err and "'allreduce'" in err and "'allgather'" in err and "'t'" in err
+
+
+def test_mismatch_on_general_path_too():
+    """The same check applies when the tensor is decided across cycles (not lockstep)."""
+    neg = Negotiator(2)
+    assert neg.step([msg(ar("t", shape=(2,))), idle()]) == []
+    out = neg.step([idle(), msg(ar("t", shape=(5,)))])
+    assert out[0].error_kind == "mismatch" and "rank 1 sent (5,)" in out[0].error
+
+
+def test_check_agreement_ok():
+    assert check_agreement("allreduce", "t", {0: ar("t"), 1: ar("t")}) is None
+
+
+def test_joined_rank_allreduce_completes_without_it():
+    neg = Negotiator(3)
+    assert neg.step([msg(ar("x")), RankMsg(join=True), idle()]) == []
+    out = neg.step([idle(), idle(), msg(ar("x"))])
+    assert names(out) == ["x"] and out[0].error is None
+    assert out[0].joined == frozenset({1})
+    assert set(out[0].anns) == {0, 2}
+    # Everyone joins: one join response with the last rank to join.
+    out = neg.step([RankMsg(join=True), idle(), idle()])
+    assert out == []
+    out = neg.step([idle(), idle(), RankMsg(join=True)])
+    assert [(r.kind, r.last_joined) for r in out] == [("join", 2)]
+    assert not neg.busy
+
+
+def test_joined_rank_broadcast_is_an_error():
+    neg = Negotiator(2)
+    out = neg.step([msg(Ann("b", "broadcast", "float32", (2,), root=0)), RankMsg(join=True)])
+    assert out[0].error_kind == "joined" and "'b'" in out[0].error and "1" in out[0].error
+
+
+def test_cancel_fails_pending_request():
+    neg = Negotiator(3)
+    neg.step([msg(ar("x")), msg(ar("x")), idle()])
+    out = neg.step([RankMsg(cancels=(("x", "gave up on x"),)), idle(), idle()])
+    assert len(out) == 1 and out[0].error_kind == "stall" and out[0].error == "gave up on x"
+    assert set(out[0].anns) == {0, 1}
+    assert not neg.pending
+    # A second cancel of the same name (another rank gave up too) is a no-op.
+    assert neg.step([idle(), RankMsg(cancels=(("x", "again"),)), idle()]) == []
+
+
+def test_shutdown_fails_requests_the_shut_rank_never_submitted():
+    neg = Negotiator(2)
+    neg.step([msg(ar("x")), idle()])
+    out = neg.step([idle(), RankMsg(shutdown=True)])
+    assert out[0].name == "x" and out[0].error_kind == "shutdown" and "rank(s) 1" in out[0].error
+    out = neg.step([RankMsg(shutdown=True), idle()])
+    assert [r.kind for r in out] == ["shutdown"]
+    assert not neg.busy
+
+
+def test_shutdown_all_at_once():
+    out = Negotiator(3).step([RankMsg(shutdown=True)] * 3)
+    assert [r.kind for r in out] == ["shutdown"]
+
+
+def test_duplicate_submission_is_reported():
+    neg = Negotiator(2)
+    neg.step([msg(ar("x")), idle()])
+    out = neg.step([msg(ar("x")), idle()])
+    assert out[0].error_kind == "mismatch" and "twice" in out[0].error
+
+
+def test_eager_payloads_only_when_every_rank_sent_one():
+    neg = Negotiator(2)
+    out = neg.step([msg(ar("x"), payloads=((0, b"a"),)), msg(ar("x"), payloads=((0, b"b"),))])
+    assert out[0].data == {0: b"a", 1: b"b"}
+    out = neg.step([msg(ar("y"), payloads=((0, b"a"),)), msg(ar("y"))])
+    assert out[0].data is None
+    neg.step([msg(ar("z"), payloads=((0, b"a"),)), idle()])
+    out = neg.step([idle(), msg(ar("z"), payloads=((0, b"b"),))])
+    assert out[0].data == {0: b"a", 1: b"b"}
+
+
+def test_wrong_message_count():
+    with pytest.raises(ValueError):
+        Negotiator(2).step([idle()])
+    with pytest.raises(ValueError):
+        Negotiator(0)
+
+
+# ---------------------------------------------------------------- fusion
+
+def ready(ann, joined=frozenset(), data=None):
+    return Response(ann.name, ann.kind, {0: ann, 1: ann}, joined=joined, data=data)
+
+
+def test_fusion_groups_by_key_and_threshold():
+    f32 = [ready(ar(f"f{i}", shape=(256,))) for i in range(5)]    # 1 KiB each
+    f64 = [ready(ar(f"d{i}", shape=(128,), dtype="float64")) for i in range(2)]
+    summ = ready(ar("s", shape=(256,), op=ReduceOp.SUM))
+    plan = plan_fusion([f32[0], f64[0], f32[1], summ, f32[2], f64[1], f32[3], f32[4]], threshold=3 * 1024)
+    buckets = [p for p in plan if isinstance(p, Bucket)]
+    assert [b.names for b in buckets] == [["f0", "f1", "f2"], ["d0", "d1"], ["s"], ["f3", "f4"]]
+    # Buckets keep their dtype/op key.
+    assert buckets[0].key[0] == "float32" and buckets[1].key[0] == "float64"
+
+
+def test_fusion_threshold_zero_disables():
+    rs = [ready(ar(f"t{i}", shape=(4,))) for i in range(4)]
+    plan = plan_fusion(rs, threshold=0)
+    assert [p.names for p in plan] == [["t0"], ["t1"], ["t2"], ["t3"]]
+
+
+def test_fusion_big_tensor_gets_own_bucket():
+    rs = [ready(ar("small", shape=(4,))), ready(ar("big", shape=(1000,))), ready(ar("small2", shape=(4,)))]
+    plan = plan_fusion(rs, threshold=100)
+    assert [p.names for p in plan] == [["small"], ["big"], ["small2"]]
+
+
+def test_fusion_separates_scale_and_joined_and_passes_others_through():
+    a = ready(ar("a"))
+    b = ready(ar("b", pre=2.0))
+    c = ready(ar("c"), joined=frozenset({1}))
+    d = ready(ar("d"))
+    g = ready(Ann("g", "allgather", "float32", (2,)))
+    e = ready(ar("e"), data={0: b"", 1: b""})             # eager: reduced locally
+    bad = Response("m", "allreduce", {0: ar("m")}, error="boom", error_kind="mismatch")
+    plan = plan_fusion([a, g, b, c, e, bad, d], threshold=1 << 20)
+    assert [p.names if isinstance(p, Bucket) else p.name for p in plan] == \
+        [["a", "d"], "g", ["b"], ["c"], "e", "m"]
+
+
+def test_half_types_count_float32_bytes():
+    assert nbytes(ar("h", shape=(10,), dtype="float16")) == 40
+    assert nbytes(ar("h", shape=(10,), dtype="bfloat16")) == 40
+    assert nbytes(ar("h", shape=(), dtype="float64")) == 8
+    assert nbytes(ar("h", shape=(0, 3), dtype="int8")) == 0
