@@ -1,0 +1,361 @@
+"""hvd_magic collectives against raw mpi4py, side by side in one MPI job.
+
+Run on 2 ranks (``make bench`` does this through benchmarks/run_all.py)::
+
+    OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl=self,sm \
+        .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/collectives.py
+
+What it measures (numpy float32 throughout):
+
+- allreduce at 4 KiB .. 64 MiB: raw ``comm.Allreduce(IN_PLACE, x, SUM)`` against
+  ``hvd.allreduce_(x, op=hvd.Sum)`` (in place, apples to apples) and the default
+  ``hvd.allreduce(x)`` (out of place, Average); raw out of place into a fresh buffer is
+  shown for reference only;
+- 100 tensors of 4 KiB: 100 raw blocking Allreduce calls against 100
+  ``hvd.allreduce_async_`` + ``hvd.synchronize`` and one ``hvd.grouped_allreduce``;
+- CPU of an idle runtime (10 s after init) and of a rank waiting in allreduce for a
+  slower rank (5 s).
+
+The variants are interleaved: each round runs a block of every variant, in a rotating
+order, so that noise on this small machine hits all of them alike. The first round is
+warm-up and is dropped. Times are rank 0's, per call (per batch for the 100-tensor
+rows); the table shows medians.
+
+Options: ``--scale F`` multiplies every repetition count; ``--quick`` is ``--scale 0.2``
+and shorter CPU waits (a smoke test); ``--json PATH`` writes the raw medians;
+``--skip-cpu`` leaves out the idle and waiting measurements; ``--oop-all`` adds the raw
+out-of-place reference above 1 MiB (off by default: allocating a fresh 16/64 MiB buffer
+per call disturbs the neighbouring measurements on this machine).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import hvd_magic.collectives as hvd
+from hvd_magic.collectives import state as hvd_state
+
+KiB, MiB = 1024, 1024 * 1024
+SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB]
+# (rounds, calls per block) for each size; rounds include one warm-up round that is dropped.
+# Large sizes alternate call by call (a noise burst then lands on all variants alike).
+REPS = {4 * KiB: (21, 150), 64 * KiB: (21, 80), 1 * MiB: (201, 5),
+        16 * MiB: (201, 1), 64 * MiB: (41, 1)}
+BATCH_N, BATCH_BYTES = 100, 4 * KiB
+BATCH_REPS = (101, 4)
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+# Targets from the issue.
+BW_FRACTION_MIN = 0.9          # >= 1 MiB: at least this fraction of raw MPI's bandwidth
+ASYNC_MAX_RATIO = 3.0          # 100 async small allreduces within 3x of 100 raw calls
+SMALL_LATENCY_MAX_US = 50.0    # 4 KiB allreduce
+
+
+def human(n: int) -> str:
+    return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
+
+
+def fmt_t(s: float) -> str:
+    us = s * 1e6
+    if us < 1000:
+        return f"{us:.1f} us"
+    return f"{us / 1000:.2f} ms"
+
+
+def thread_cpu_s(tid: int) -> float:
+    """utime + stime of one thread of this process, in seconds (clock-tick resolution)."""
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    # after the ")" field 3 (state) is index 0, so utime (14) and stime (15) are 11 and 12
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.comm = MPI.COMM_WORLD.Dup()   # raw MPI's own communicator, apart from hvd's
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        self.scale = args.scale
+
+    def reps(self, rounds_calls):
+        rounds, calls = rounds_calls
+        return max(3, int(round(rounds * min(1.0, self.scale ** 0.5)))), \
+            max(1, int(round(calls * self.scale ** 0.5)))
+
+    def interleave(self, variants: dict, rounds: int, calls: int) -> dict:
+        """variants: name -> zero-argument callable (one call, or one batch). Returns
+        name -> list of per-call seconds (rank 0's clock), warm-up round dropped."""
+        names = list(variants)
+        samples = {n: [] for n in names}
+        pc = time.perf_counter
+        for rnd in range(rounds):
+            k = rnd % len(names)
+            order = names[k:] + names[:k]
+            if rnd % 2:
+                order.reverse()
+            for name in order:
+                fn = variants[name]
+                self.comm.Barrier()
+                ts = []
+                for _ in range(calls):
+                    t0 = pc()
+                    fn()
+                    ts.append(pc() - t0)
+                if rnd > 0:
+                    samples[name].extend(ts)
+        return samples
+
+    # ------------------------------------------------------------------ sizes
+    def bench_sizes(self) -> list:
+        rows = []
+        comm = self.comm
+        for nbytes in SIZES:
+            n = nbytes // 4
+            raw_x = np.zeros(n, dtype=np.float32)
+            raw_x[:] = 0.0                       # touch every page
+            hvd_ip = np.zeros(n, dtype=np.float32)
+            hvd_ip[:] = 0.0
+            hvd_src = np.zeros(n, dtype=np.float32)
+            hvd_src[:] = 0.0
+            oop_src = np.zeros(n, dtype=np.float32)
+            oop_src[:] = 0.0
+
+            def raw():
+                comm.Allreduce(MPI.IN_PLACE, raw_x, op=MPI.SUM)
+
+            def raw_oop():
+                out = np.empty_like(oop_src)
+                comm.Allreduce(oop_src, out, op=MPI.SUM)
+
+            def hvd_inplace():
+                hvd.allreduce_(hvd_ip, op=hvd.Sum)
+
+            def hvd_avg():
+                hvd.allreduce(hvd_src)
+
+            variants = {"raw": raw, "hvd_sum_": hvd_inplace, "hvd_avg": hvd_avg}
+            if nbytes <= MiB or self.args.oop_all:
+                # a fresh 16/64 MiB buffer per call disturbs the neighbouring measurements
+                variants["raw_oop"] = raw_oop
+            rounds, calls = self.reps(REPS[nbytes])
+            s = self.interleave(variants, rounds, calls)
+            med = {"raw_oop": float("nan")}
+            med.update({k: statistics.median(v) for k, v in s.items()})
+            rows.append({"bytes": nbytes, "n": len(s["raw"]), **{f"{k}_s": v for k, v in med.items()}})
+            if self.rank == 0 and self.args.verbose:
+                print(f"  {human(nbytes)}: " + ", ".join(f"{k} {fmt_t(v)}" for k, v in med.items()),
+                      flush=True)
+        return rows
+
+    # ------------------------------------------------------------------ 100 small tensors
+    def bench_batch(self) -> dict:
+        comm = self.comm
+        n = BATCH_BYTES // 4
+        raw_ts = [np.zeros(n, dtype=np.float32) for _ in range(BATCH_N)]
+        async_ts = [np.zeros(n, dtype=np.float32) for _ in range(BATCH_N)]
+        grp_ts = [np.zeros(n, dtype=np.float32) for _ in range(BATCH_N)]
+        names = [f"bench.async.{i}" for i in range(BATCH_N)]
+
+        def raw():
+            for t in raw_ts:
+                comm.Allreduce(MPI.IN_PLACE, t, op=MPI.SUM)
+
+        def hvd_async():
+            hs = [hvd.allreduce_async_(t, name=nm, op=hvd.Sum) for t, nm in zip(async_ts, names)]
+            for h in hs:
+                hvd.synchronize(h)
+
+        def hvd_grouped():
+            hvd.grouped_allreduce(grp_ts, op=hvd.Sum)
+
+        variants = {"raw": raw, "hvd_async": hvd_async, "hvd_grouped": hvd_grouped}
+        rounds, calls = self.reps(BATCH_REPS)
+        s = self.interleave(variants, rounds, calls)
+        return {"n": len(s["raw"]), **{f"{k}_s": statistics.median(v) for k, v in s.items()}}
+
+    # ------------------------------------------------------------------ CPU
+    def cpu_idle(self, seconds: float) -> dict:
+        """Both ranks idle: process CPU and the engine thread's CPU over ``seconds``."""
+        eng = hvd_state.engine()
+        tid = eng.thread.native_id
+        self.comm.Barrier()
+        p0, e0, w0 = time.process_time(), thread_cpu_s(tid), time.perf_counter()
+        time.sleep(seconds)
+        p1, e1, w1 = time.process_time(), thread_cpu_s(tid), time.perf_counter()
+        wall = w1 - w0
+        out = {"wall_s": wall, "proc_pct": 100 * (p1 - p0) / wall, "engine_pct": 100 * (e1 - e0) / wall,
+               "threads": len(os.listdir("/proc/self/task"))}
+        return self.gather(out)
+
+    def cpu_waiting(self, seconds: float) -> dict:
+        """Rank 1 sleeps ``seconds`` before its allreduce; rank 0 waits in allreduce."""
+        eng = hvd_state.engine()
+        tid = eng.thread.native_id
+        x = np.zeros(1024, dtype=np.float32)
+        self.comm.Barrier()
+        if self.rank != 0:
+            time.sleep(seconds)
+        p0, e0, w0 = time.process_time(), thread_cpu_s(tid), time.perf_counter()
+        hvd.allreduce(x, name="bench.wait")
+        p1, e1, w1 = time.process_time(), thread_cpu_s(tid), time.perf_counter()
+        wall = w1 - w0
+        out = {"wall_s": wall, "proc_pct": 100 * (p1 - p0) / wall, "engine_pct": 100 * (e1 - e0) / wall}
+        return self.gather(out)
+
+    def cpu_waiting_raw(self, seconds: float) -> dict:
+        """The same wait in a raw blocking MPI Allreduce, for reference."""
+        x = np.zeros(1024, dtype=np.float32)
+        self.comm.Barrier()
+        if self.rank != 0:
+            time.sleep(seconds)
+        p0, w0 = time.process_time(), time.perf_counter()
+        self.comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
+        p1, w1 = time.process_time(), time.perf_counter()
+        wall = w1 - w0
+        return self.gather({"wall_s": wall, "proc_pct": 100 * (p1 - p0) / wall})
+
+    def gather(self, d: dict) -> dict:
+        return {"ranks": self.comm.allgather(d)}
+
+
+# ---------------------------------------------------------------------- report
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
+
+
+def report(res: dict, args) -> list:
+    lines = []
+    p = lines.append
+    targets = []
+    p(f"hvd_magic collectives vs raw mpi4py Allreduce -- {res['size']} ranks, numpy float32, "
+      f"medians of rank 0's per-call times")
+    p(f"host: {res['host']}, {res['cpus']} CPUs; {res['mpi_version']}; mpi4py "
+      f"{res['mpi4py']}; numpy {res['numpy']}; eager={res['eager']}; "
+      f"fusion threshold {res['fusion']} B; cycle time {res['cycle_ms']} ms; {res['date']}")
+    p("")
+    hdr = (f"{'size':>7} {'n':>5} | {'raw MPI':>9} {'hvd _ Sum':>10} {'hvd Avg':>9} | "
+           f"{'Sum/raw':>7} {'Avg/raw':>7} | {'raw GB/s':>8} {'Sum bw':>7} {'Avg bw':>7} | "
+           f"{'raw oop (ref)':>13}")
+    p(hdr)
+    p("-" * len(hdr))
+    for r in res["sizes"]:
+        raw, s, a = r["raw_s"], r["hvd_sum__s"], r["hvd_avg_s"]
+        big = r["bytes"] >= MiB
+        oop = "-" if r["raw_oop_s"] != r["raw_oop_s"] else fmt_t(r["raw_oop_s"])
+        bw = f"{r['bytes'] / raw / 1e9:8.2f}" if big else f"{'':>8}"
+        fs = f"{raw / s:6.2f}x" if big else f"{'':>7}"
+        fa = f"{raw / a:6.2f}x" if big else f"{'':>7}"
+        p(f"{human(r['bytes']):>7} {r['n']:>5} | {fmt_t(raw):>9} {fmt_t(s):>10} {fmt_t(a):>9} | "
+          f"{s / raw:6.2f}x {a / raw:6.2f}x | {bw} {fs} {fa} | {oop:>13}")
+    p("  (Sum/raw, Avg/raw: time ratio, lower is better; Sum bw, Avg bw: fraction of raw MPI's "
+      "bandwidth, higher is better;")
+    p("   raw oop: raw MPI out of place into a fresh np.empty buffer, reference only; above 1 MiB only with --oop-all)")
+    p("")
+    b = res["batch"]
+    p(f"100 tensors of 4 KiB (n={b['n']} batches): 100 raw blocking Allreduce {fmt_t(b['raw_s'])}; "
+      f"hvd 100x allreduce_async_ + synchronize {fmt_t(b['hvd_async_s'])} "
+      f"({b['hvd_async_s'] / b['raw_s']:.2f}x); hvd grouped_allreduce {fmt_t(b['hvd_grouped_s'])} "
+      f"({b['hvd_grouped_s'] / b['raw_s']:.2f}x)")
+    p("")
+    small = res["sizes"][0]
+    p(f"per-request overhead at 4 KiB (hvd latency - raw latency): in place Sum "
+      f"{(small['hvd_sum__s'] - small['raw_s']) * 1e6:.1f} us, default Average "
+      f"{(small['hvd_avg_s'] - small['raw_s']) * 1e6:.1f} us")
+    if "idle" in res:
+        for key, label in (("idle", "idle runtime after init"),
+                           ("idle_after", "idle runtime after the benchmarks")):
+            if key not in res:
+                continue
+            rs = res[key]["ranks"]
+            p(f"CPU, {label} ({rs[0]['wall_s']:.1f} s sleep): " + "; ".join(
+                f"rank {i}: process {d['proc_pct']:.2f}% of a core, engine thread {d['engine_pct']:.2f}%"
+                f" ({d['threads']} threads)" for i, d in enumerate(rs)))
+        w = res["waiting"]["ranks"][0]
+        p(f"CPU, rank 0 waiting in hvd.allreduce for rank 1 ({w['wall_s']:.2f} s): process "
+          f"{w['proc_pct']:.1f}% of a core, engine thread {w['engine_pct']:.1f}%")
+        wr = res["waiting_raw"]["ranks"][0]
+        p(f"CPU, rank 0 waiting in a raw blocking MPI Allreduce ({wr['wall_s']:.2f} s, reference): "
+          f"process {wr['proc_pct']:.1f}% of a core")
+    p("")
+    p("targets:")
+    for r in res["sizes"]:
+        if r["bytes"] >= MiB:
+            for key, label in (("hvd_sum__s", "allreduce_ Sum"), ("hvd_avg_s", "allreduce Avg")):
+                frac = r["raw_s"] / r[key]
+                targets.append((f"{human(r['bytes'])} {label}: >= {BW_FRACTION_MIN}x raw MPI bandwidth",
+                                f"{frac:.3f}x", frac >= BW_FRACTION_MIN))
+    targets.append(("grouped_allreduce of 100 x 4 KiB faster than 100 raw MPI calls",
+                    f"{fmt_t(b['hvd_grouped_s'])} vs {fmt_t(b['raw_s'])}", b["hvd_grouped_s"] < b["raw_s"]))
+    ratio = b["hvd_async_s"] / b["raw_s"]
+    targets.append((f"async 100 x 4 KiB within {ASYNC_MAX_RATIO:g}x of 100 raw MPI calls",
+                    f"{ratio:.2f}x", ratio <= ASYNC_MAX_RATIO))
+    for key, label in (("hvd_sum__s", "allreduce_ Sum"), ("hvd_avg_s", "allreduce Avg")):
+        us = small[key] * 1e6
+        targets.append((f"4 KiB {label} under {SMALL_LATENCY_MAX_US:g} us", f"{us:.1f} us",
+                        us < SMALL_LATENCY_MAX_US))
+    w = max(len(t[0]) for t in targets)
+    for name, val, ok in targets:
+        p(f"  {verdict(ok)}  {name:<{w}}  {val}")
+    n_miss = sum(1 for t in targets if not t[2])
+    p(f"summary: {len(targets) - n_miss} PASS, {n_miss} MISS")
+    res["targets"] = [{"target": t[0], "value": t[1], "pass": t[2]} for t in targets]
+    return lines
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply repetition counts")
+    ap.add_argument("--quick", action="store_true", help="smoke test: fewer repetitions, short waits")
+    ap.add_argument("--skip-cpu", action="store_true", help="leave out the idle/waiting CPU measurements")
+    ap.add_argument("--json", default="", help="write raw medians here (rank 0)")
+    ap.add_argument("--oop-all", action="store_true",
+                    help="measure the raw out-of-place reference above 1 MiB too")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    args = ap.parse_args()
+    if args.quick:
+        args.scale = min(args.scale, 0.2)
+    idle_s, idle_after_s, wait_s, wait_raw_s = (1.0, 1.0, 0.5, 0.5) if args.quick else (10.0, 5.0, 5.0, 2.0)
+
+    t_start = time.perf_counter()
+    hvd.init()
+    bench = Bench(args)
+    if bench.size != 2 and bench.rank == 0:
+        print(f"note: the targets were set for 2 ranks; running on {bench.size}", file=sys.stderr)
+    eng = hvd_state.engine()
+    res = {"size": bench.size, "host": os.uname().nodename, "cpus": os.cpu_count(),
+           "mpi_version": MPI.Get_library_version().split(",")[0].strip() + " (MPI " + ".".join(map(str, MPI.Get_version())) + ")",
+           "mpi4py": __import__("mpi4py").__version__, "numpy": np.__version__,
+           "eager": eng._eager_max, "fusion": eng.cfg.fusion_threshold,
+           "cycle_ms": eng.cfg.cycle_time_s * 1000, "date": time.strftime("%Y-%m-%d %H:%M %Z")}
+    if not args.skip_cpu:
+        res["idle"] = bench.cpu_idle(idle_s)
+    res["sizes"] = bench.bench_sizes()
+    res["batch"] = bench.bench_batch()
+    if not args.skip_cpu:
+        res["waiting"] = bench.cpu_waiting(wait_s)
+        res["waiting_raw"] = bench.cpu_waiting_raw(wait_raw_s)
+        res["idle_after"] = bench.cpu_idle(idle_after_s)
+    res["elapsed_s"] = time.perf_counter() - t_start
+    if bench.rank == 0:
+        lines = report(res, args)
+        lines.append(f"(benchmark took {res['elapsed_s']:.0f} s)")
+        print("\n".join(lines), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1)
+    bench.comm.Free()
+    hvd.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
