@@ -252,3 +252,14 @@ def test_half_types_count_float32_bytes():
     assert nbytes(ar("h", shape=(10,), dtype="bfloat16")) == 40
     assert nbytes(ar("h", shape=(), dtype="float64")) == 8
     assert nbytes(ar("h", shape=(0, 3), dtype="int8")) == 0
+
+
+def test_only_a_rank_that_waits_for_others_keeps_negotiating():
+    from hvd_magic.collectives.plan import Ann, Negotiator, RankMsg
+    neg = Negotiator(2)
+    a = Ann("g", "allreduce", "float32", (2,))
+    neg.step([RankMsg(anns=(a,)), RankMsg()])
+    # rank 0 submitted g and waits for rank 1; rank 1 owes g and may sleep until it submits
+    assert neg.waiting(0) and not neg.waiting(1)
+    out = neg.step([RankMsg(), RankMsg(anns=(a,))])
+    assert [r.name for r in out] == ["g"] and not neg.waiting(0) and not neg.waiting(1)

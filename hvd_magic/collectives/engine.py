@@ -178,7 +178,12 @@ class LocalReq:
         if self.out is not None:
             if ops.is_torch(self.out):
                 torch = sys.modules["torch"]
-                if not (isinstance(arr, np.ndarray) and self._src is not None and arr is self._src):
+                if isinstance(arr, np.ndarray) and self._src is not None and arr is self._src:
+                    pass                                   # reduced in place already
+                elif isinstance(arr, np.ndarray) and self.inplace_target() is not None:
+                    # numpy copy into the tensor's own memory: a few us less than torch's copy_
+                    np.copyto(self._src, arr.reshape(self._src.shape), casting="unsafe")
+                else:
                     t = arr if isinstance(arr, torch.Tensor) else ops.wrap_like(arr, dtype, self.out)
                     self.out.copy_(t.reshape(self.out.shape))
             elif arr is not self.out:
@@ -364,10 +369,11 @@ class Engine:
         waited_from = time.monotonic()
         while not (self._new or self._cancels or self._join_announce or self._shutdown_announce):
             now = time.monotonic()
-            if self.neg.busy or self._join is not None:
+            if self._join is not None or self.neg.waiting(self.rank):
                 if self._empty_streak == 0:
                     break
-                delay = min(MAX_POLL_S, MIN_SLEEP_S * (2 ** min(self._empty_streak, 10)))
+                cap = MAX_POLL_S if self.waiters == 0 else MIN_SLEEP_S * 4
+                delay = min(cap, MIN_SLEEP_S * (2 ** min(self._empty_streak, 10)))
                 if now - waited_from >= delay:
                     break
                 self._sleep(delay - (now - waited_from))
@@ -480,7 +486,7 @@ class Engine:
         last_tick = time.monotonic()
         while not req.Test():
             time.sleep(delay)
-            delay = min(delay * 2, MAX_POLL_S)
+            delay = min(delay * 2, MAX_POLL_S if self.waiters == 0 else MIN_SLEEP_S * 4)
             now = time.monotonic()
             if now - last_tick > 0.25:
                 last_tick = now

@@ -146,8 +146,20 @@ class Negotiator:
 
     @property
     def busy(self) -> bool:
-        """True while some rank waits for another: every rank should keep negotiating."""
+        """True while some rank waits for another."""
         return bool(self.pending) or bool(self.joined) or bool(self.shut)
+
+    def waiting(self, rank: int) -> bool:
+        """True while ``rank`` has said something the others have not matched yet (a request
+        they have not submitted, a join or a shutdown): it should post the next cycle and
+        wait there for them. A rank that only *owes* submissions need not negotiate until it
+        has something to say: the cycle cannot complete without its submission anyway."""
+        if rank in self.shut or rank in self.joined:
+            return True
+        for p in self.pending.values():
+            if rank in p.anns:
+                return True
+        return False
 
     def step(self, msgs: list, now: float = 0.0) -> list:
         """Apply one cycle's messages (index = rank); return the decisions, in order."""
