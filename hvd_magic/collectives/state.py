@@ -74,6 +74,7 @@ def init(comm: Optional[Any] = None) -> None:
         from .timeline import Timeline, TimelineWriter
 
         cfg = Config.from_env()
+        _set_switch_interval()
         mine = base.Dup()
         local = mine.Split_type(MPI.COMM_TYPE_SHARED, key=mine.Get_rank())
         cross = mine.Split(color=local.Get_rank(), key=mine.Get_rank())
@@ -93,6 +94,25 @@ def init(comm: Optional[Any] = None) -> None:
         if cfg.timeline and _state.rank == 0:
             engine.writer = TimelineWriter(cfg.timeline, cfg.timeline_mark_cycles)
         _state.engine = engine
+
+
+def _set_switch_interval() -> None:
+    """The engine thread needs the GIL for a moment after every wait; with Python's default
+    5 ms switch interval a training thread running Python code makes it wait up to that long
+    each time. Measured on 2-rank CNN training: 0.5 ms cut the step time by about a sixth.
+    ``HVD_MAGIC_SWITCH_INTERVAL_MS`` overrides (0 leaves the interpreter's setting alone)."""
+    import sys
+    raw = os.environ.get("HVD_MAGIC_SWITCH_INTERVAL_MS")
+    if raw is None:
+        if abs(sys.getswitchinterval() - 0.005) < 1e-9:
+            sys.setswitchinterval(0.0005)
+        return
+    try:
+        ms = float(raw)
+    except ValueError:
+        raise ValueError(f"HVD_MAGIC_SWITCH_INTERVAL_MS={raw!r} is not a number of milliseconds") from None
+    if ms > 0:
+        sys.setswitchinterval(ms / 1000.0)
 
 
 def shutdown(timeout: Optional[float] = None) -> None:
