@@ -1,0 +1,78 @@
+"""``horovod.tensorflow.keras`` for hvd_magic: Keras 3 on the TensorFlow backend (>= 2.16)::
+
+    import keras
+    import hvd_magic.keras as hvd
+
+    hvd.init()
+    model = make_model()
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.01 * hvd.size()))
+    model.compile(optimizer=opt, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    model.fit(x_shard, y_shard, epochs=5,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                         hvd.callbacks.MetricAverageCallback()],
+              verbose=1 if hvd.rank() == 0 else 0)
+
+The collectives are those of :mod:`hvd_magic.tensorflow` (tf.Tensor in, tf.Tensor out).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from hvd_magic.tensorflow._compat import import_keras
+
+import_keras()   # ImportError with what to install / which backend to pick
+
+from hvd_magic.tensorflow import (Adasum, Average, Compression, Compressor,  # noqa: E402
+                                  HorovodInternalError, HvdError, Max, Min, Product, ReduceOp,
+                                  StallError, Sum, TensorMismatchError, allgather,
+                                  allgather_object, allreduce, alltoall, barrier, broadcast,
+                                  broadcast_object, broadcast_variables, ccl_built, cross_rank,
+                                  cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled,
+                                  grouped_allreduce, init, is_homogeneous, is_initialized, join,
+                                  local_rank, local_size, mpi_built, mpi_enabled,
+                                  mpi_threads_supported, nccl_built, rank, reducescatter,
+                                  rocm_built, shutdown, size, start_timeline, stop_timeline)
+
+from . import callbacks  # noqa: E402
+from .optimizer import DistributedOptimizer, is_distributed  # noqa: E402
+
+
+def broadcast_global_variables(root_rank: int = 0, model: Any = None) -> None:
+    """Overwrite every rank's ``model`` variables (and its optimizer's) with ``root_rank``'s.
+    Keras 3 has no global variable collection, so the model must be given."""
+    if model is None:
+        raise ValueError("broadcast_global_variables needs the model in Keras 3 (there is no "
+                         "global variable collection): broadcast_global_variables(0, model=model), "
+                         "or use hvd.callbacks.BroadcastGlobalVariablesCallback(0) in fit()")
+    broadcast_variables(model.variables, root_rank)
+    opt = getattr(model, "optimizer", None)
+    if opt is not None and getattr(opt, "built", False):
+        broadcast_variables(opt.variables, root_rank)
+
+
+def load_model(filepath: Any, custom_optimizers: Optional[list] = None,
+               custom_objects: Optional[dict] = None,
+               compression: type[Compressor] = Compression.none) -> Any:
+    """``keras.models.load_model`` whose compiled optimizer comes back wrapped in
+    :func:`DistributedOptimizer` (with ``compression``), its state (slots, iterations)
+    restored. ``custom_optimizers`` lists optimizer classes of your own to make loadable,
+    ``custom_objects`` is passed on to Keras.
+
+    Every rank may load the same file; or load on rank 0 and broadcast with
+    ``BroadcastGlobalVariablesCallback``.
+    """
+    keras = import_keras()
+    objects = dict(custom_objects or {})
+    for cls in custom_optimizers or []:
+        if not (isinstance(cls, type) and issubclass(cls, keras.optimizers.Optimizer)):
+            raise TypeError(f"custom_optimizers takes Keras optimizer classes, got {cls!r}")
+        objects.setdefault(cls.__name__, cls)
+    model = keras.models.load_model(filepath, custom_objects=objects or None)
+    opt = getattr(model, "optimizer", None)
+    if opt is not None and isinstance(opt, keras.optimizers.Optimizer) and not is_distributed(opt):
+        model.optimizer = DistributedOptimizer(opt, compression=compression)
+        model.train_function = None   # rebuild the train step around the wrapped optimizer
+    return model
+
+
+__all__ = [n for n in dir() if not n.startswith("_") and n not in ("annotations", "Any", "Optional")]

@@ -1,0 +1,57 @@
+"""``horovod.tensorflow`` for hvd_magic (TensorFlow >= 2.16, CPU): port a Horovod script
+by changing its import::
+
+    import hvd_magic.tensorflow as hvd
+
+    hvd.init()
+    model = make_model()
+    opt = tf.keras.optimizers.SGD(0.01 * hvd.size())
+
+    @tf.function
+    def step(x, y, first):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        tape = hvd.DistributedGradientTape(tape)          # gradients averaged over ranks
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        if first:                                           # start every rank from rank 0
+            hvd.broadcast_variables(model.variables, root_rank=0)
+            hvd.broadcast_variables(opt.variables, root_rank=0)
+        return loss
+
+The collectives take tf.Tensor / tf.Variable, run eagerly or inside ``tf.function`` (not
+under ``jit_compile=True``) and are differentiable. Tensors travel over MPI through the
+runtime in :mod:`hvd_magic.collectives`. For Keras ``model.fit`` see :mod:`hvd_magic.keras`.
+"""
+from __future__ import annotations
+
+from ._compat import import_tf
+
+import_tf()   # ImportError with what to install before anything else touches TensorFlow
+
+from hvd_magic.collectives import (Adasum, Average, HorovodInternalError, HvdError,  # noqa: E402
+                                   Max, Min, Product, ReduceOp, StallError, Sum,
+                                   TensorMismatchError, ccl_built, cross_rank, cross_size,
+                                   cuda_built, gloo_built, gloo_enabled, init, is_initialized,
+                                   local_rank, local_size, mpi_built, mpi_enabled,
+                                   mpi_threads_supported, nccl_built, rank, rocm_built, shutdown,
+                                   size, start_timeline, stop_timeline)
+
+from .compression import Compression, Compressor  # noqa: E402
+from .functions import allgather_object, broadcast_object, broadcast_variables  # noqa: E402
+from .gradient_tape import DistributedGradientTape  # noqa: E402
+from .mpi_ops import (allgather, allreduce, alltoall, barrier, broadcast,  # noqa: E402
+                      grouped_allreduce, join, reducescatter)
+
+
+def ddl_built() -> bool:
+    """IBM DDL is not part of hvd_magic."""
+    return False
+
+
+def is_homogeneous() -> bool:
+    """True when every host runs the same number of ranks."""
+    return local_size() * cross_size() == size()
+
+
+__all__ = [n for n in dir() if not n.startswith("_") and n != "annotations"]

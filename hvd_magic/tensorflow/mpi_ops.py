@@ -1,0 +1,381 @@
+"""Collectives on ``tf.Tensor`` / ``tf.Variable`` with ``horovod.tensorflow``'s signatures.
+
+They run eagerly, or inside ``tf.function`` as a ``tf.numpy_function`` with the static
+output shape set where it is known (not under ``jit_compile=True``: XLA cannot call back
+into Python). The reductions, gathers and broadcasts are differentiable, as in Horovod:
+
+- allreduce / grouped_allreduce: the gradient is allreduced with the same op and factors;
+- allgather: the gradient is Sum-allreduced and each rank keeps its own rows;
+- broadcast: the gradient is Sum-allreduced; the root keeps it, other ranks get zeros;
+- reducescatter: the gradient is allgathered (and scaled like the forward pass);
+- alltoall: the gradient travels back with ``alltoall(grad, splits=received_splits)``.
+
+Every rank must run the same collectives (and so the same backward passes) in the same order,
+or pass the same ``name`` for matching calls.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+import hvd_magic.collectives as C
+from hvd_magic.collectives import Average, Sum
+from hvd_magic.collectives.ops import to_op
+
+from ._compat import import_tf
+from .compression import Compression, Compressor, check_compression
+
+tf = import_tf()
+_plain = tf.autograph.experimental.do_not_convert   # no autograph rewriting of these
+
+
+# ---------------------------------------------------------------- eager / graph bridge
+
+def _in_xla() -> bool:
+    try:
+        from tensorflow.python.ops import control_flow_util
+        return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+    except Exception:  # noqa: BLE001 - private API moved: assume no XLA
+        return False
+
+
+def _as_dtype(arr: Any, dtype: Any) -> np.ndarray:
+    """``arr`` as the numpy dtype TensorFlow expects for ``dtype`` (bfloat16 comes back from
+    the runtime as its int16 bits)."""
+    want = np.dtype(dtype.as_numpy_dtype)
+    a = np.asarray(arr)
+    if a.dtype == want:
+        return a
+    if a.dtype.itemsize == want.itemsize and a.dtype.kind in "iu" and dtype == tf.bfloat16:
+        return a.view(want)
+    return a.astype(want)
+
+
+@_plain
+def host_call(fn: Callable[..., Sequence[Any]], inputs: Sequence[Any], touts: Sequence[Any],
+              shapes: Sequence[Any], what: str) -> list:
+    """Run ``fn`` (numpy arrays in, a list of numpy arrays out) on ``inputs``: directly when
+    executing eagerly, as a stateful ``tf.numpy_function`` inside a graph."""
+    touts = list(touts)
+    if tf.executing_eagerly():
+        outs = fn(*[np.asarray(x.numpy()) for x in inputs])
+        return [tf.convert_to_tensor(_as_dtype(o, d), dtype=d) for o, d in zip(outs, touts)]
+    if _in_xla():
+        raise ValueError(f"hvd_magic.tensorflow.{what} cannot run inside an XLA-compiled function "
+                         "(jit_compile=True): XLA cannot call back into Python. Use "
+                         "tf.function(jit_compile=False), or model.compile(..., jit_compile=False)")
+
+    def run(*arrays: Any) -> list:   # 0-d inputs arrive as numpy scalars
+        return [_as_dtype(o, d) for o, d in zip(fn(*[np.asarray(a) for a in arrays]), touts)]
+
+    outs = tf.numpy_function(run, list(inputs), touts, stateful=True, name=f"hvd_{what}")
+    if not isinstance(outs, (list, tuple)):
+        outs = [outs]
+    outs = list(outs)
+    for o, s in zip(outs, shapes):
+        if s is not None:
+            o.set_shape(s)
+    return outs
+
+
+def _tensor(x: Any, fn: str) -> Any:
+    """``x`` as a tf.Tensor (Variables are read), or a TypeError naming ``fn``."""
+    if isinstance(x, tf.IndexedSlices):
+        return x
+    try:
+        return tf.convert_to_tensor(x)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"hvd_magic.tensorflow.{fn} takes a tf.Tensor or tf.Variable (or something "
+                        f"tf.convert_to_tensor accepts), not {type(x).__name__}") from exc
+
+
+def _op(average: Optional[bool], op: Any, fn: str) -> Any:
+    """Horovod's rule: ``average`` (deprecated) maps to Average/Sum; ``op=None`` is Average."""
+    if average is not None:
+        if op is not None:
+            raise ValueError(f"{fn}: pass either op=... or the deprecated average=..., not both")
+        warnings.warn(f"{fn}(average=...) is deprecated; use op=hvd.Average or op=hvd.Sum",
+                      DeprecationWarning, stacklevel=3)
+        return Average if average else Sum
+    return to_op(Average if op is None else op)
+
+
+def _check_grad_op(op: Any, fn: str) -> None:
+    if op not in (Average, Sum):
+        raise ValueError(f"the gradient of {fn} is only defined for op=hvd.Average or hvd.Sum, not "
+                         f"{to_op(op).name}; stop the gradient (tf.stop_gradient) before {fn}")
+
+
+# ---------------------------------------------------------------- allreduce
+
+def _allreduce(x: Any, name: Optional[str], op: Any, pre: float, post: float) -> Any:
+    @tf.custom_gradient
+    def f(t: Any) -> Any:
+        (y,) = host_call(lambda a: [C.allreduce(a, name=name, op=op, prescale_factor=pre,
+                                                postscale_factor=post)],
+                         [t], [t.dtype], [t.shape], "allreduce")
+
+        def grad(dy: Any) -> Any:
+            _check_grad_op(op, "allreduce")
+            return _allreduce(tf.convert_to_tensor(dy), None, op, pre, post)
+        return y, grad
+    return f(x)
+
+
+@_plain
+def _sparse_allreduce(s: Any, name: Optional[str], op: Any) -> Any:
+    """Horovod's allreduce of tf.IndexedSlices: allgather values and indices (Average divides
+    the values by the number of ranks); duplicates are summed when the slices are applied."""
+    if op not in (Average, Sum):
+        raise ValueError("allreduce of tf.IndexedSlices supports op=hvd.Average or hvd.Sum; "
+                         "densify with tf.convert_to_tensor first for other ops")
+    values = allgather(s.values, name=None if name is None else f"{name}.values")
+    indices = allgather(s.indices, name=None if name is None else f"{name}.indices")
+    if op == Average:
+        values = values / tf.cast(C.size(), values.dtype)
+    return tf.IndexedSlices(values, indices, dense_shape=s.dense_shape)
+
+
+@_plain
+def allreduce(tensor: Any, average: Optional[bool] = None, device_dense: str = "",
+              device_sparse: str = "", compression: type[Compressor] = Compression.none,
+              op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              name: Optional[str] = None) -> Any:
+    """Reduce ``tensor`` over all ranks (Average unless ``op`` says otherwise); differentiable.
+    A ``tf.IndexedSlices`` is allgathered (values and indices) instead.
+
+    Example, 2 ranks::
+
+        rank 0: allreduce(tf.constant([1., 2.]))              -> [2., 3.]
+        rank 1: allreduce(tf.constant([3., 4.]))              -> [2., 3.]
+        rank 0: allreduce(tf.constant([1., 2.]), op=hvd.Sum)  -> [4., 6.]
+
+    ``device_dense``/``device_sparse`` are accepted for Horovod compatibility (CPU only here).
+    """
+    op = _op(average, op, "allreduce")
+    check_compression(compression)
+    tensor = _tensor(tensor, "allreduce")
+    if isinstance(tensor, tf.IndexedSlices):
+        return _sparse_allreduce(tensor, name, op)
+    compressed, ctx = compression.compress(tensor)
+    out = _allreduce(compressed, name, op, float(prescale_factor), float(postscale_factor))
+    return compression.decompress(out, ctx)
+
+
+def _grouped(xs: list, name: Optional[str], op: Any, pre: float, post: float) -> list:
+    @tf.custom_gradient
+    def f(*ts: Any) -> Any:
+        outs = host_call(lambda *a: C.grouped_allreduce(list(a), name=name, op=op,
+                                                        prescale_factor=pre, postscale_factor=post),
+                         ts, [t.dtype for t in ts], [t.shape for t in ts], "grouped_allreduce")
+
+        def grad(*dys: Any) -> Any:
+            _check_grad_op(op, "grouped_allreduce")
+            return _grouped([tf.convert_to_tensor(d) for d in dys], None, op, pre, post)
+        return outs, grad
+    return list(f(*xs))
+
+
+@_plain
+def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None,
+                      device_dense: str = "", device_sparse: str = "",
+                      compression: type[Compressor] = Compression.none, op: Any = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      name: Optional[str] = None) -> list:
+    """:func:`allreduce` of every tensor of the list as one request per dtype (one flat
+    buffer, one reduction); differentiable. Returns the list of results.
+
+    Example, 2 ranks, op=Sum::
+
+        rank 0: grouped_allreduce([tf.ones(2), tf.zeros(1)], op=hvd.Sum)  -> [[2., 2.], [1.]]
+        rank 1: grouped_allreduce([tf.ones(2), tf.ones(1)], op=hvd.Sum)   -> [[2., 2.], [1.]]
+    """
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError("grouped_allreduce takes a list of tensors")
+    op = _op(average, op, "grouped_allreduce")
+    check_compression(compression)
+    if not tensors:
+        return []
+    ts = [_tensor(t, "grouped_allreduce") for t in tensors]
+    if any(isinstance(t, tf.IndexedSlices) for t in ts):
+        raise TypeError("grouped_allreduce takes dense tensors; allreduce tf.IndexedSlices one by "
+                        "one, or densify them with tf.convert_to_tensor")
+    pairs = [compression.compress(t) for t in ts]
+    outs = _grouped([p[0] for p in pairs], name, op, float(prescale_factor), float(postscale_factor))
+    return [compression.decompress(o, p[1]) for o, p in zip(outs, pairs)]
+
+
+# ---------------------------------------------------------------- allgather, broadcast
+
+def _gather_host(a: np.ndarray, name: Optional[str]) -> list:
+    handle = C.allgather_async(a, name=name)
+    out = handle.wait()
+    rows = handle.extra
+    if rows is None:   # the backend did not report rows per rank: ask
+        rows = C.allgather_object(int(a.shape[0]) if a.ndim else 1)
+    return [out, np.asarray([int(r) for r in rows], dtype=np.int64)]
+
+
+@_plain
+def allgather(tensor: Any, name: Optional[str] = None) -> Any:
+    """Concatenate every rank's tensor along dimension 0 (sizes may differ by rank);
+    differentiable.
+
+    Example, 2 ranks::
+
+        rank 0: allgather(tf.constant([[1, 2]]))          -> [[1, 2], [3, 4], [5, 6]]
+        rank 1: allgather(tf.constant([[3, 4], [5, 6]]))  -> [[1, 2], [3, 4], [5, 6]]
+    """
+    x = _tensor(tensor, "allgather")
+    if isinstance(x, tf.IndexedSlices):
+        raise TypeError("allgather takes a dense tensor; use allreduce for tf.IndexedSlices")
+    scalar = x.shape.rank == 0
+
+    @tf.custom_gradient
+    def f(t: Any) -> Any:
+        shape = tf.TensorShape([None]).concatenate(t.shape[1:]) if t.shape.rank else tf.TensorShape([None])
+        y, rows = host_call(lambda a: _gather_host(a, name), [t], [t.dtype, tf.int64],
+                            [shape, tf.TensorShape([None])], "allgather")
+
+        def grad(dy: Any) -> Any:
+            g = _allreduce(tf.convert_to_tensor(dy), None, Sum, 1.0, 1.0)
+            r = C.rank()
+            start = tf.reduce_sum(rows[:r])
+            mine = g[start:start + rows[r]]
+            return tf.reshape(mine, []) if scalar else mine
+        return y, grad
+    return f(x)
+
+
+@_plain
+def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None) -> Any:
+    """Every rank gets a copy of ``root_rank``'s tensor; differentiable.
+
+    Example, 2 ranks::
+
+        rank 0: broadcast(tf.constant([1, 2]), root_rank=0)  -> [1, 2]
+        rank 1: broadcast(tf.constant([0, 0]), root_rank=0)  -> [1, 2]
+    """
+    x = _tensor(tensor, "broadcast")
+    if isinstance(x, tf.IndexedSlices):
+        x = tf.convert_to_tensor(x)
+    C.api._check_root(root_rank)
+
+    @tf.custom_gradient
+    def f(t: Any) -> Any:
+        (y,) = host_call(lambda a: [C.broadcast(a, root_rank, name=name)], [t], [t.dtype],
+                         [t.shape], "broadcast")
+
+        def grad(dy: Any) -> Any:
+            g = _allreduce(tf.convert_to_tensor(dy), None, Sum, 1.0, 1.0)
+            return g if C.rank() == root_rank else tf.zeros_like(g)
+        return y, grad
+    return f(x)
+
+
+# ---------------------------------------------------------------- alltoall, reducescatter
+
+def _equal_splits(rows: Any, n: int) -> Any:
+    return tf.fill([n], tf.cast(rows // n, tf.int32))
+
+
+@_plain
+def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None) -> tuple:
+    """Send ``splits[j]`` rows of ``tensor`` to rank j (equal shares when None) and
+    concatenate what arrives. Returns ``(output, received_splits)`` as horovod.tensorflow
+    does; differentiable with respect to ``tensor``.
+
+    Example, 2 ranks::
+
+        rank 0: alltoall(tf.constant([1, 2]))  -> ([1, 3], [1, 1])
+        rank 1: alltoall(tf.constant([3, 4]))  -> ([2, 4], [1, 1])
+    """
+    x = _tensor(tensor, "alltoall")
+    n = C.size()
+    if x.shape.rank == 0:
+        raise ValueError("alltoall needs a tensor with at least one dimension")
+    if splits is None:
+        if x.shape[0] is not None and x.shape[0] % n:
+            raise ValueError(f"alltoall without splits needs the first dimension ({x.shape[0]}) to "
+                             f"be divisible by the number of ranks ({n}); pass splits=[rows per rank]")
+        sp = _equal_splits(tf.shape(x)[0], n)
+    else:
+        sp = tf.cast(tf.convert_to_tensor(splits), tf.int32)
+    return _alltoall(x, sp, name)
+
+
+def _alltoall(x: Any, sp: Any, name: Optional[str]) -> tuple:
+    received: list = []
+
+    @tf.custom_gradient
+    def f(t: Any) -> Any:
+        shape = tf.TensorShape([None]).concatenate(t.shape[1:])
+        y, rs = host_call(lambda a, s: list(C.alltoall(a, splits=s, name=name)), [t, sp],
+                          [t.dtype, tf.int32], [shape, tf.TensorShape([C.size()])], "alltoall")
+        received.append(rs)
+
+        def grad(dy: Any) -> Any:
+            return _alltoall(tf.convert_to_tensor(dy), rs, None)[0]
+        return y, grad
+    out = f(x)
+    return out, tf.stop_gradient(received[0])
+
+
+def _my_rows(rows: Optional[int], n: int, r: int) -> Optional[int]:
+    if rows is None:
+        return None
+    return rows // n + (1 if r < rows % n else 0)
+
+
+@_plain
+def reducescatter(tensor: Any, device_dense: str = "", compression: type[Compressor] = Compression.none,
+                  op: Any = Average, name: Optional[str] = None, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> Any:
+    """Reduce over all ranks, then give each rank its share of dimension 0 (the first ranks get
+    one more row when it does not divide); differentiable for Average and Sum.
+
+    Example, 2 ranks, op=Sum::
+
+        rank 0: reducescatter(tf.constant([1, 2, 3]), op=hvd.Sum)  -> [2, 4]
+        rank 1: reducescatter(tf.constant([1, 2, 3]), op=hvd.Sum)  -> [6]
+    """
+    op = to_op(Average if op is None else op)
+    check_compression(compression)
+    x = _tensor(tensor, "reducescatter")
+    if x.shape.rank == 0:
+        raise ValueError("reducescatter needs a tensor with at least one dimension")
+    compressed, ctx = compression.compress(x)
+    out = _reducescatter(compressed, name, op, float(prescale_factor), float(postscale_factor))
+    return compression.decompress(out, ctx)
+
+
+def _reducescatter(x: Any, name: Optional[str], op: Any, pre: float, post: float) -> Any:
+    @tf.custom_gradient
+    def f(t: Any) -> Any:
+        shape = tf.TensorShape([_my_rows(t.shape[0], C.size(), C.rank())]).concatenate(t.shape[1:])
+        (y,) = host_call(lambda a: [C.reducescatter(a, name=name, op=op, prescale_factor=pre,
+                                                    postscale_factor=post)],
+                         [t], [t.dtype], [shape], "reducescatter")
+
+        def grad(dy: Any) -> Any:
+            _check_grad_op(op, "reducescatter")
+            g = allgather(tf.convert_to_tensor(dy))
+            scale = pre * post / (C.size() if op == Average else 1)
+            return g * tf.cast(scale, g.dtype) if scale != 1.0 else g
+        return y, grad
+    return f(x)
+
+
+# ---------------------------------------------------------------- barrier, join, handles
+
+def barrier(name: Optional[str] = None) -> None:
+    """Return once every rank has called barrier."""
+    C.barrier(name=name)
+
+
+def join() -> int:
+    """This rank has no more data; serve the others' allreduces until all have joined.
+    Returns the last rank to join."""
+    return C.join()

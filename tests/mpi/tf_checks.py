@@ -1,0 +1,381 @@
+"""hvd_magic.tensorflow / hvd_magic.keras under real MPI (2 or 3 ranks), grouped in one
+launch because importing TensorFlow costs seconds: collectives eager and in tf.function,
+their gradients, DistributedGradientTape against single-process gradients of the whole
+batch, model.fit with DistributedOptimizer against single-process training, callbacks,
+mismatch errors, checkpoint + load_model.
+
+Usage: mpiexec -n N python tf_checks.py WORKDIR
+Exits nonzero with one line per failed check, prefixed by the rank."""
+import os
+import sys
+import time
+import traceback
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "20")   # a bug fails, never hangs
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+tf.config.threading.set_intra_op_parallelism_threads(1)
+tf.config.threading.set_inter_op_parallelism_threads(1)
+
+import keras  # noqa: E402
+
+import hvd_magic.keras as hk  # noqa: E402
+import hvd_magic.tensorflow as hvd  # noqa: E402
+
+hvd.init()
+R, N = hvd.rank(), hvd.size()
+WORK = sys.argv[1]
+FAILS = []
+TIMES = os.environ.get("TF_CHECKS_TIMES") == "1"
+
+
+def check(label):
+    def deco(fn):
+        t0 = time.perf_counter()
+        try:
+            fn()
+        except Exception:
+            FAILS.append(f"{label}: raised\n{traceback.format_exc()}")
+        if TIMES and R == 0:
+            print(f"{label}: {time.perf_counter() - t0:.2f} s", flush=True)
+        return fn
+    return deco
+
+
+def close(label, a, b, atol=1e-5):
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if a.shape != b.shape:
+        FAILS.append(f"{label}: shape {a.shape} != {b.shape}")
+    elif not np.allclose(a, b, atol=atol, rtol=0):
+        FAILS.append(f"{label}: max diff {np.abs(a - b).max():.3g} > {atol}\n{a}\n{b}")
+
+
+def same_everywhere(label, arrays):
+    """Every rank holds bitwise the same arrays."""
+    flat = np.concatenate([np.asarray(a, dtype=np.float64).reshape(-1) for a in arrays])
+    spread = hvd.allreduce(tf.constant(flat), op=hvd.Max) - hvd.allreduce(tf.constant(flat), op=hvd.Min)
+    if float(tf.reduce_max(spread)) != 0.0:
+        FAILS.append(f"{label}: differs across ranks by {float(tf.reduce_max(spread)):.3g}")
+
+
+# ---------------------------------------------------------------- collectives, eager and graph
+def collectives(run):
+    x = tf.constant([1.0 + R, 2.0])
+    close("allreduce avg", run(lambda: hvd.allreduce(x)), [1 + (N - 1) / 2, 2.0])
+    close("allreduce sum", run(lambda: hvd.allreduce(x, op=hvd.Sum)), [N + N * (N - 1) / 2, 2.0 * N])
+    close("allreduce max", run(lambda: hvd.allreduce(x, op=hvd.Max)), [N, 2.0])
+    close("allreduce scale", run(lambda: hvd.allreduce(x, op=hvd.Sum, prescale_factor=2.0,
+                                                       postscale_factor=0.5)),
+          [N + N * (N - 1) / 2, 2.0 * N])
+    for c in (hvd.Compression.fp16, hvd.Compression.bf16):
+        out = run(lambda: hvd.allreduce(x, compression=c))
+        if out.dtype != tf.float32:
+            FAILS.append(f"allreduce {c.__name__}: dtype {out.dtype}")
+        close(f"allreduce {c.__name__}", out, [1 + (N - 1) / 2, 2.0], atol=2e-2)
+    close("allreduce bf16 tensor", tf.cast(run(lambda: hvd.allreduce(tf.cast(x, tf.bfloat16))),
+                                           tf.float32), [1 + (N - 1) / 2, 2.0], atol=2e-2)
+    g = run(lambda: hvd.grouped_allreduce([x, tf.constant([R], tf.int32), tf.ones([2, 2])], op=hvd.Sum))
+    close("grouped 0", g[0], [N + N * (N - 1) / 2, 2.0 * N])
+    close("grouped 1", g[1], [N * (N - 1) / 2])
+    close("grouped 2", g[2], np.full((2, 2), N))
+    ag = run(lambda: hvd.allgather(tf.fill([R + 1, 2], R)))
+    close("allgather uneven", ag, np.concatenate([np.full((r + 1, 2), r) for r in range(N)]))
+    close("allgather scalar", run(lambda: hvd.allgather(tf.constant(float(R)))), np.arange(N))
+    close("broadcast", run(lambda: hvd.broadcast(x, N - 1)), [float(N), 2.0])
+    out, rs = run(lambda: hvd.alltoall(tf.constant([10 * R + j for j in range(N)])))
+    close("alltoall", out, [10 * j + R for j in range(N)])
+    close("alltoall splits", rs, [1] * N)
+    splits = [1 if j == 0 else 0 for j in range(N)]   # everybody sends its one row to rank 0
+    out, rs = run(lambda: hvd.alltoall(tf.constant([[float(R)]]), splits=splits))
+    close("alltoall uneven", out, [[float(j)] for j in range(N)] if R == 0 else np.zeros((0, 1)))
+    close("alltoall uneven splits", rs, [1] * N if R == 0 else [0] * N)
+    rows = 2 * N + 1
+    base = tf.reshape(tf.range(rows * 2, dtype=tf.float32), [rows, 2])
+    rs_out = run(lambda: hvd.reducescatter(base, op=hvd.Sum))
+    mine = 3 if R == 0 else 2
+    start = 0 if R == 0 else 3 + 2 * (R - 1)
+    close("reducescatter", rs_out, N * base.numpy()[start:start + mine])
+
+
+@check("collectives eager")
+def _():
+    collectives(lambda f: f())
+
+
+@check("collectives tf.function")
+def _():
+    def run(f):
+        return tf.function(f)()
+    collectives(run)
+
+    traced = []
+
+    @tf.function
+    def shapes(x):
+        outs = [hvd.allreduce(x), hvd.allgather(x), hvd.broadcast(x, 0), hvd.reducescatter(x)]
+        traced.extend(tuple(t.shape.as_list()) for t in outs)
+        return outs
+    shapes(tf.zeros([3 * N, 4]))
+    if traced != [(3 * N, 4), (None, 4), (3 * N, 4), (3, 4)]:
+        FAILS.append(f"static shapes in tf.function: {traced}")
+
+
+@check("collective gradients")
+def _():
+    w = tf.Variable([1.0, 2.0])
+
+    def grads():
+        with tf.GradientTape(persistent=True) as tape:
+            a = tf.reduce_sum(hvd.allreduce(w * (R + 1.0), op=hvd.Sum))
+            b = tf.reduce_sum(hvd.allgather(w * (R + 1.0)))
+            c = tf.reduce_sum(hvd.broadcast(w * (R + 1.0), 0))
+            d = tf.reduce_sum(hvd.reducescatter(tf.stack([w] * N), op=hvd.Sum))
+            e = tf.reduce_sum(hvd.alltoall(tf.stack([w] * N))[0] * (R + 1.0))
+        return [tape.gradient(t, w) for t in (a, b, c, d, e)]
+    tri = N * (N + 1) / 2
+    for run in (grads, tf.function(grads)):
+        a, b, c, d, e = run()
+        close("grad allreduce", a, [N * (R + 1.0)] * 2)   # dy summed over ranks, times own factor
+        close("grad allgather", b, [N * (R + 1.0)] * 2)
+        close("grad broadcast", c, [float(N) if R == 0 else 0.0] * 2)
+        close("grad reducescatter", d, [N] * 2)
+        close("grad alltoall", e, [tri] * 2)
+
+
+# ---------------------------------------------------------------- gradient tape
+B = 4
+rng = np.random.default_rng(1)
+XG = rng.normal(size=(B * N, 5)).astype("float32")
+YG = rng.normal(size=(B * N, 1)).astype("float32")
+IDX = rng.integers(0, 10, size=(B * N,))
+
+
+def make_net(seed):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh"),
+                             keras.layers.Dense(1)])
+
+
+@check("DistributedGradientTape == single-process whole batch")
+def _():
+    net = make_net(7)
+    emb = tf.Variable(tf.random.stateless_normal([10, 1], seed=[1, 2]))
+    variables = net.trainable_variables + [emb]
+
+    def loss_of(x, y, idx):
+        pred = net(x) + tf.gather(emb, idx)
+        return tf.reduce_mean((pred - y) ** 2)
+
+    with tf.GradientTape() as tape:
+        ref_loss = loss_of(XG, YG, IDX)
+    ref = [tf.convert_to_tensor(g).numpy() for g in tape.gradient(ref_loss, variables)]
+    mine = slice(R * B, (R + 1) * B)
+
+    def dist(**kw):
+        with tf.GradientTape() as tape:
+            loss = loss_of(XG[mine], YG[mine], IDX[mine])
+        return hvd.DistributedGradientTape(tape, **kw).gradient(loss, variables)
+
+    for label, graph, kw, atol in [("eager", False, {}, 1e-5),
+                                   ("tf.function", True, {}, 1e-5),
+                                   ("sparse_as_dense", False, {"sparse_as_dense": True}, 1e-5),
+                                   ("num_groups=2", True, {"num_groups": 2}, 1e-5),
+                                   ("predivide", False, {"gradient_predivide_factor": 2.0}, 1e-5),
+                                   ("fp16", False, {"compression": hvd.Compression.fp16}, 3e-3)]:
+        got = tf.function(lambda kw=kw: dist(**kw))() if graph else dist(**kw)
+        if label == "sparse_as_dense" and isinstance(got[-1], tf.IndexedSlices):
+            FAILS.append("sparse_as_dense left tf.IndexedSlices")
+        if label == "eager" and not isinstance(got[-1], tf.IndexedSlices):
+            FAILS.append(f"embedding gradient should stay tf.IndexedSlices, got {type(got[-1])}")
+        for i, (g, r) in enumerate(zip(got, ref)):
+            close(f"tape {label} grad {i}", tf.convert_to_tensor(g), r, atol)
+    summed = dist(op=hvd.Sum)
+    close("tape op=Sum", summed[0], N * ref[0], 1e-5)
+
+
+# ---------------------------------------------------------------- keras fit
+STEPS = 6
+XK = rng.normal(size=(STEPS * B * N, 5)).astype("float32")
+YK = rng.normal(size=(STEPS * B * N, 1)).astype("float32")
+SHARD = np.concatenate([np.arange(k * B * N + R * B, k * B * N + (R + 1) * B) for k in range(STEPS)])
+
+
+def fit_pair(label, make_opt, epochs=2, bpps=1, average_aggregated=False):
+    model = make_net(100 + R)    # every rank starts elsewhere; the callback fixes that
+    opt = hk.DistributedOptimizer(make_opt(), backward_passes_per_step=bpps,
+                                  average_aggregated_gradients=average_aggregated)
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(XK[SHARD], YK[SHARD], batch_size=B, epochs=epochs, shuffle=False, verbose=0,
+              callbacks=[hk.callbacks.BroadcastGlobalVariablesCallback(0)])
+    ref = make_net(100)
+    ref.compile(optimizer=make_opt(), loss="mse")
+    ref_scale = 1.0 if average_aggregated or bpps == 1 else float(bpps)
+    if ref_scale != 1.0:
+        ref.optimizer.learning_rate = float(ref.optimizer.learning_rate) * ref_scale
+    ref.fit(XK, YK, batch_size=B * N * bpps, epochs=epochs, shuffle=False, verbose=0)
+    for i, (a, b) in enumerate(zip(model.get_weights(), ref.get_weights())):
+        close(f"fit {label} weight {i}", a, b, 2e-5)
+    same_everywhere(f"fit {label} weights", model.get_weights())
+    want_iters = epochs * STEPS // bpps
+    if int(opt.iterations.numpy()) != want_iters:
+        FAILS.append(f"fit {label}: iterations {int(opt.iterations.numpy())} != {want_iters}")
+    return model
+
+
+@check("model.fit SGD == single-process whole batch")
+def _():
+    fit_pair("sgd", lambda: keras.optimizers.SGD(0.1))
+    fit_pair("sgd momentum", lambda: keras.optimizers.SGD(0.05, momentum=0.9))
+
+
+@check("model.fit backward_passes_per_step=2")
+def _():
+    fit_pair("bpps avg", lambda: keras.optimizers.SGD(0.1), bpps=2, average_aggregated=True)
+    fit_pair("bpps sum", lambda: keras.optimizers.SGD(0.05), bpps=2)
+
+
+@check("model.fit Adam, identical on all ranks")
+def _():
+    model = make_net(100 + R)
+    model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss="mse")
+    model.fit(XK[SHARD], YK[SHARD], batch_size=B, epochs=1, shuffle=False, verbose=0,
+              callbacks=[hk.callbacks.BroadcastGlobalVariablesCallback(0)])
+    same_everywhere("adam weights", model.get_weights())
+    same_everywhere("adam slots", [v.numpy() for v in model.optimizer.variables])
+
+
+# ---------------------------------------------------------------- callbacks
+class Recorder(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.batch_lr, self.epoch_lr, self.logs = [], [], []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.batch_lr.append(float(self.model.optimizer.learning_rate.numpy()))
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch_lr.append(float(self.model.optimizer.learning_rate.numpy()))
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.logs.append(dict(logs))
+
+
+@check("MetricAverageCallback")
+def _():
+    logs = {"loss": float(R), "accuracy": 2.0 * R, "name": "x"}
+    hk.callbacks.MetricAverageCallback().on_epoch_end(0, logs)
+    close("metric average", [logs["loss"], logs["accuracy"]], [(N - 1) / 2, N - 1.0])
+    model = make_net(100)
+    model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse",
+                  metrics=["mae"])
+    plain, averaged = Recorder(), Recorder()
+    model.fit(XK[SHARD], YK[SHARD], batch_size=B, epochs=1, shuffle=False, verbose=0,
+              callbacks=[plain, hk.callbacks.MetricAverageCallback(), averaged])
+    local = np.array([plain.logs[0]["loss"], plain.logs[0]["mae"]])
+    mean = hvd.allreduce(tf.constant(local)).numpy()
+    close("fit metric average", [averaged.logs[0]["loss"], averaged.logs[0]["mae"]], mean, 1e-6)
+
+
+@check("learning-rate warmup and schedule")
+def _():
+    steps, lr0, warm = STEPS, 0.1 * N, 2
+    model = make_net(100)
+    model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(lr0)), loss="mse")
+    rec = Recorder()
+    model.fit(XK[SHARD], YK[SHARD], batch_size=B, epochs=3, shuffle=False, verbose=0,
+              callbacks=[hk.callbacks.LearningRateWarmupCallback(lr0, warmup_epochs=warm), rec])
+    want = [lr0 / N * ((e + b / steps) * (N - 1) / warm + 1) for e in range(warm) for b in range(steps)]
+    close("warmup per batch", rec.batch_lr[:warm * steps], want, 1e-6)
+    close("after warmup", rec.batch_lr[warm * steps:], [lr0] * steps, 1e-6)
+    model = make_net(100)
+    model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(lr0)), loss="mse")
+    rec = Recorder()
+    model.fit(XK[SHARD], YK[SHARD], batch_size=B, epochs=4, shuffle=False, verbose=0,
+              callbacks=[hk.callbacks.LearningRateScheduleCallback(lr0, multiplier=lambda e: 0.5 ** e,
+                                                                   start_epoch=1, end_epoch=3),
+                         rec])
+    close("schedule per epoch", rec.epoch_lr, [lr0, lr0 * 0.5, lr0 * 0.25, lr0 * 0.25], 1e-6)
+
+
+# ---------------------------------------------------------------- errors
+@check("mismatch raises TensorMismatchError on every rank")
+def _():
+    try:
+        hvd.allreduce(tf.zeros([R + 2]), name="mismatch.eager")
+        FAILS.append("eager shape mismatch did not raise")
+    except hvd.TensorMismatchError as exc:
+        if "mismatch.eager" not in str(exc):
+            FAILS.append(f"eager mismatch message lacks the tensor name: {exc}")
+    try:
+        tf.function(lambda: hvd.allreduce(tf.zeros([R + 2]), name="mismatch.graph"))()
+        FAILS.append("graph shape mismatch did not raise")
+    except tf.errors.OpError as exc:   # TensorFlow wraps errors raised inside tf.numpy_function
+        if "TensorMismatchError" not in str(exc) or "mismatch.graph" not in str(exc):
+            FAILS.append(f"graph mismatch message: {exc}")
+    close("usable after mismatch", hvd.allreduce(tf.ones([2])), [1.0, 1.0])
+    for bad, exc_type in [(lambda: hvd.allreduce("x"), TypeError),
+                          (lambda: hk.DistributedOptimizer(object()), TypeError),
+                          (lambda: hvd.DistributedGradientTape(tf.GradientTape(), op=hvd.Max), ValueError),
+                          (lambda: hk.DistributedOptimizer(keras.optimizers.SGD(), backward_passes_per_step=0),
+                           ValueError)]:
+        try:
+            bad()
+            FAILS.append(f"no {exc_type.__name__} from a bad call")
+        except exc_type:
+            pass
+
+
+# ---------------------------------------------------------------- broadcast_variables, checkpoints
+@check("broadcast_variables eager and tf.function, objects")
+def _():
+    v = tf.Variable(tf.fill([3], float(R)))
+    i = tf.Variable([R, R], dtype=tf.int64)
+    hvd.broadcast_variables([v, i], root_rank=N - 1)
+    close("broadcast_variables", np.concatenate([v.numpy(), i.numpy()]), [N - 1.0] * 5)
+    v.assign(tf.fill([3], float(R)))
+    @tf.function
+    def bcast():
+        hvd.broadcast_variables([v], root_rank=0)
+    bcast()
+    close("broadcast_variables graph", v.numpy(), [0.0] * 3)
+    if hvd.broadcast_object({"r": R}, root_rank=1) != {"r": 1}:
+        FAILS.append("broadcast_object")
+    if hvd.allgather_object(R) != list(range(N)):
+        FAILS.append("allgather_object")
+
+
+@check("BestModelCheckpoint on rank 0 and load_model")
+def _():
+    path = os.path.join(WORK, "best.keras")
+    marker = os.path.join(WORK, f"rank{R}.keras")
+    model = make_net(100)
+    model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9)), loss="mse")
+    model.fit(XK[SHARD], YK[SHARD], batch_size=B, epochs=2, shuffle=False, verbose=0,
+              validation_data=(XK[:8], YK[:8]),
+              callbacks=[hk.callbacks.MetricAverageCallback(),
+                         hk.callbacks.BestModelCheckpoint(path if R == 0 else marker, monitor="val_loss")])
+    hvd.barrier()
+    if R != 0 and os.path.exists(marker):
+        FAILS.append("BestModelCheckpoint wrote on a rank other than 0")
+    if not os.path.exists(path):
+        FAILS.append("BestModelCheckpoint wrote nothing on rank 0")
+        return
+    loaded = hk.load_model(path)
+    if not hk.is_distributed(loaded.optimizer) or not isinstance(loaded.optimizer, keras.optimizers.SGD):
+        FAILS.append(f"load_model optimizer not re-wrapped: {type(loaded.optimizer)}")
+    if int(loaded.optimizer.iterations.numpy()) == 0:
+        FAILS.append("load_model lost the optimizer state")
+    loaded.fit(XK[SHARD], YK[SHARD], batch_size=B, epochs=1, shuffle=False, verbose=0)
+    same_everywhere("trained after load_model", loaded.get_weights())
+
+
+hvd.barrier()
+if FAILS:
+    for f in FAILS:
+        print(f"[rank {R}] FAIL {f}", flush=True)
+print(f"[rank {R}] done, {len(FAILS)} failures", flush=True)
+hvd.shutdown()
+sys.exit(1 if FAILS else 0)

@@ -1,0 +1,140 @@
+"""hvd_magic.tensorflow and hvd_magic.keras (TensorFlow >= 2.16, Keras 3). Multi-rank checks
+run under real mpiexec at 2 and 3 ranks (tests/mpi/tf_checks.py groups them, one launch per
+rank count, because importing TensorFlow costs seconds per launch)."""
+import inspect
+import os
+import subprocess
+import sys
+
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+keras = pytest.importorskip("keras")
+
+import hvd_magic.keras as hk  # noqa: E402
+import hvd_magic.tensorflow as hvd  # noqa: E402
+from mpi_harness import mpirun  # noqa: E402
+
+TF_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1"}
+
+HOROVOD_TF_NAMES = """init shutdown size rank local_rank local_size cross_rank cross_size is_initialized
+mpi_threads_supported mpi_enabled mpi_built gloo_enabled gloo_built nccl_built ddl_built ccl_built
+cuda_built rocm_built is_homogeneous start_timeline stop_timeline join barrier broadcast_object
+allgather_object allreduce grouped_allreduce allgather broadcast alltoall reducescatter
+broadcast_variables DistributedGradientTape Compression Average Sum Adasum Min Max Product
+HorovodInternalError""".split()
+
+
+def test_public_names():
+    assert not [n for n in HOROVOD_TF_NAMES if not hasattr(hvd, n)]
+    assert not [n for n in HOROVOD_TF_NAMES + ["DistributedOptimizer", "load_model", "callbacks"]
+                if n != "DistributedGradientTape" and not hasattr(hk, n)]
+    for cb in ("BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateWarmupCallback",
+               "LearningRateScheduleCallback", "BestModelCheckpoint"):
+        assert hasattr(hk.callbacks, cb)
+    import hvd_magic.tensorflow.keras as alias
+    assert alias.DistributedOptimizer is hk.DistributedOptimizer
+
+
+def test_signatures_match_horovod():
+    params = inspect.signature(hvd.DistributedGradientTape).parameters
+    assert list(params) == ["gradtape", "device_dense", "device_sparse", "compression",
+                            "sparse_as_dense", "op", "gradient_predivide_factor", "num_groups", "groups"]
+    params = inspect.signature(hk.DistributedOptimizer).parameters
+    assert list(params) == ["optimizer", "name", "device_dense", "device_sparse", "compression",
+                            "sparse_as_dense", "gradient_predivide_factor", "op",
+                            "backward_passes_per_step", "average_aggregated_gradients",
+                            "num_groups", "groups"]
+    assert list(inspect.signature(hk.load_model).parameters) == ["filepath", "custom_optimizers",
+                                                                 "custom_objects", "compression"]
+    assert list(inspect.signature(hvd.broadcast_variables).parameters) == ["variables", "root_rank"]
+
+
+def test_compression_dtypes():
+    t = tf.constant([1.0, 2.0])
+    c, ctx = hvd.Compression.fp16.compress(t)
+    assert c.dtype == tf.float16 and hvd.Compression.fp16.decompress(c, ctx).dtype == tf.float32
+    assert hvd.Compression.bf16.compress(t)[0].dtype == tf.bfloat16
+    i = tf.constant([1, 2])
+    assert hvd.Compression.fp16.compress(i)[0].dtype == tf.int32
+
+
+@pytest.fixture
+def one_rank():
+    was = hvd.is_initialized()
+    hvd.init()
+    yield
+    if not was:
+        hvd.shutdown()
+
+
+def test_single_process(one_rank):
+    """One rank (no mpiexec): the faces reduce to plain TensorFlow / Keras."""
+    x = tf.constant([1.0, 2.0])
+    assert hvd.allreduce(x).numpy().tolist() == [1.0, 2.0]
+    w = tf.Variable([3.0])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(w * w)
+    assert hvd.DistributedGradientTape(tape).gradient(loss, w).numpy().tolist() == [6.0]
+    opt = hk.DistributedOptimizer(keras.optimizers.SGD(0.1))
+    assert isinstance(opt, keras.optimizers.SGD) and hk.is_distributed(opt)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(tf.ones([4, 2]), tf.ones([4, 1]), epochs=1, verbose=0,
+              callbacks=[hk.callbacks.BroadcastGlobalVariablesCallback(0),
+                         hk.callbacks.MetricAverageCallback()])
+    assert int(opt.iterations.numpy()) == 1
+
+
+def test_argument_errors(one_rank):
+    with pytest.raises(TypeError, match="keras.optimizers"):
+        hk.DistributedOptimizer(object())
+    with pytest.raises(ValueError, match="Adasum"):
+        hvd.DistributedGradientTape(tf.GradientTape(), op=hvd.Adasum)
+    with pytest.raises(ValueError, match="backward_passes_per_step"):
+        hk.DistributedOptimizer(keras.optimizers.SGD(), backward_passes_per_step=0)
+    with pytest.raises(TypeError, match="tf.GradientTape"):
+        hvd.DistributedGradientTape(object())
+    with pytest.raises(ValueError, match="already"):
+        hk.DistributedOptimizer(hk.DistributedOptimizer(keras.optimizers.SGD()))
+    with pytest.raises(ValueError, match="jit_compile"):
+        tf.function(lambda: hvd.allreduce(tf.ones([2])), jit_compile=True)()
+
+
+def test_import_errors_say_what_to_install():
+    """Without TensorFlow, or with one older than 2.16, the import says what to do."""
+    code = ("import sys, types\n"
+            "sys.modules['tensorflow'] = None\n"
+            "try:\n    import hvd_magic.tensorflow\nexcept ImportError as e:\n    print('ERR', e)\n"
+            "del sys.modules['tensorflow']\n"
+            "sys.modules['tensorflow'] = types.SimpleNamespace(__version__='2.15.1')\n"
+            "for m in [k for k in sys.modules if k.startswith('hvd_magic.tensorflow')]:\n"
+            "    del sys.modules[m]\n"
+            "try:\n    import hvd_magic.tensorflow\nexcept ImportError as e:\n    print('ERR', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
+    lines = [ln for ln in out.splitlines() if ln.startswith("ERR")]
+    assert len(lines) == 2, out
+    assert "pip install" in lines[0] and "tensorflow-cpu" in lines[0]
+    assert "2.16" in lines[1] and "2.15.1" in lines[1]
+
+
+def test_hvd_magic_import_does_not_load_tensorflow():
+    code = "import sys, hvd_magic, hvd_magic.collectives; print('tensorflow' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("np_", [2, 3])
+def test_under_mpi(np_, tmp_path):
+    """Collectives eager and in tf.function, gradients, tape == whole-batch gradients, fit ==
+    single-process SGD, callbacks, mismatch errors, checkpoint/load_model (see tf_checks.py)."""
+    proc = mpirun("tf_checks.py", np_, str(tmp_path), env=TF_ENV, timeout=180)
+    assert proc.stdout.count("done, 0 failures") == np_, proc.stdout
+
+
+@pytest.mark.slow
+def test_digits_converges_at_2_ranks():
+    proc = mpirun("tf_digits.py", 2, env=TF_ENV, timeout=120)
+    acc = [float(ln.split()[1]) for ln in proc.stdout.splitlines() if ln.startswith("accuracy")]
+    assert acc and acc[0] > 0.9, proc.stdout
