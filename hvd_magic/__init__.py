@@ -11,3 +11,15 @@ def run(fn, args=(), kwargs=None, np=2, hosts=None, **launch):
     """Run ``fn(*args, **kwargs)`` on ``np`` ranks; return the list of their results."""
     from .runner.api import run as _run
     return _run(fn, args=args, kwargs=kwargs, np=np, hosts=hosts, **launch)
+
+
+def load_ipython_extension(ip):
+    """``%load_ext hvd_magic``: register ``%%hvd``, ``%hvd`` and ``%autohvd``."""
+    from .magics import load_ipython_extension as _load
+    _load(ip)
+
+
+def unload_ipython_extension(ip):
+    """``%unload_ext hvd_magic``: turn %autohvd off and stop the pool."""
+    from .magics import unload_ipython_extension as _unload
+    _unload(ip)

@@ -1,0 +1,92 @@
+"""Entry point of one pool engine (``python -m hvd_magic.kernel._engine``), started by mpiexec.
+
+Before ipyparallel's engine starts: the umask becomes 077 and, where GPUs exist, this rank
+is given its own (``CUDA_VISIBLE_DEVICES`` by local rank, see :func:`gpu_for_local_rank`).
+Then ``hvd.init()`` runs (:func:`hvd_magic.kernel.engine_side.startup`, overlapping the
+controller's start), and the engine registers with MPI rank = engine id.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import sys
+from typing import List, Mapping, Optional
+
+STARTUP = "__import__('hvd_magic.kernel.engine_side').kernel.engine_side.startup()"
+
+ENGINE_ARGS = ["--mpi", "--log-level=WARN", f"--IPEngine.startup_command={STARTUP}",
+               "--IPEngine.mpi_registration_delay=0"]
+
+_LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK",
+                    "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
+
+
+def local_rank_from_env(env: Mapping[str, str]) -> Optional[int]:
+    """This process's rank among the ranks on its host, as the MPI launcher tells it."""
+    for name in _LOCAL_RANK_VARS:
+        value = env.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+def gpu_for_local_rank(env: Mapping[str, str], gpu_count: int) -> Optional[str]:
+    """The ``CUDA_VISIBLE_DEVICES`` value for this rank, or None to leave it alone.
+
+    Each local rank gets one device: the ``local_rank``-th of an existing
+    ``CUDA_VISIBLE_DEVICES`` list, else device ``local_rank % gpu_count``. Nothing changes
+    without GPUs, without a local rank, or with ``HVD_MAGIC_PIN_GPU=0``.
+    """
+    if env.get("HVD_MAGIC_PIN_GPU", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    local = local_rank_from_env(env)
+    if local is None:
+        return None
+    listed = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if listed:
+        return listed[local % len(listed)].strip()
+    if gpu_count <= 0:
+        return None
+    return str(local % gpu_count)
+
+
+def count_gpus() -> int:
+    """NVIDIA devices visible as ``/dev/nvidiaN`` (no CUDA import)."""
+    return len([p for p in glob.glob("/dev/nvidia[0-9]*") if p[len("/dev/nvidia"):].isdigit()])
+
+
+def _die_with_launcher() -> None:
+    """SIGKILL this engine when the MPI launcher that started it dies (Linux), so a pool
+    whose mpiexec is killed leaves no engine behind."""
+    try:
+        import ctypes
+        import ctypes.util
+        import signal
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)           # PR_SET_PDEATHSIG
+        if os.getppid() == 1:                   # the launcher is already gone
+            os._exit(1)
+    except Exception:  # noqa: BLE001 - best effort; the pool's stop() kills engines anyway
+        pass
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """Pin the GPU, then run ipyparallel's engine app."""
+    os.umask(0o077)
+    if sys.platform.startswith("linux"):
+        _die_with_launcher()
+    gpu = gpu_for_local_rank(os.environ, count_gpus())
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    # hvd.init() (numpy, mpi4py, MPI_Init, communicators) now, while the controller is
+    # still starting, rather than after registration where it would delay the heartbeat
+    from . import engine_side
+    engine_side.startup()
+    args = list(sys.argv[1:] if argv is None else argv)
+    sys.argv = [sys.argv[0]] + ENGINE_ARGS + args
+    from ipyparallel.engine.app import main as engine_main
+    engine_main()
+
+
+if __name__ == "__main__":
+    main()

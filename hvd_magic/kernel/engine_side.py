@@ -1,0 +1,75 @@
+"""Code that runs inside each pool engine (an MPI rank), called through ipyparallel.
+
+:func:`startup` runs before the engine's first cell; the others are small helpers the pool
+calls with ``apply``. They return plain data only.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import traceback
+from typing import Any, Dict, Optional
+
+#: Set when ``hvd.init()`` failed at start-up: the reason, shown by ``%hvd status``.
+init_error: Optional[str] = None
+
+
+def startup() -> None:
+    """Initialise hvd_magic's runtime on this rank (``hvd.rank()``/``hvd.size()`` work at once)."""
+    global init_error
+    try:
+        import hvd_magic.collectives as hvd
+        if not hvd.is_initialized():
+            hvd.init()
+    except BaseException as exc:  # noqa: BLE001 - reported by %hvd status, never fatal
+        init_error = f"{type(exc).__name__}: {exc}"
+        sys.stderr.write(f"hvd_magic: hvd.init() failed on this rank: {init_error}\n")
+
+
+def info() -> Dict[str, Any]:
+    """Where and what this rank is: rank, host, pid, nanny pid, GPU, runtime state."""
+    import hvd_magic.collectives as hvd
+    nanny = None
+    try:
+        import psutil
+        kids = [p for p in psutil.Process().children()
+                if "ipyparallel.engine.nanny" in " ".join(p.cmdline())]
+        nanny = kids[0].pid if kids else None
+    except Exception:  # noqa: BLE001 - best effort
+        pass
+    out: Dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid(), "nanny": nanny,
+                           "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                           "initialized": hvd.is_initialized(), "init_error": init_error,
+                           "pending": []}
+    if hvd.is_initialized():
+        out["rank"], out["size"] = hvd.rank(), hvd.size()
+        try:
+            out["pending"] = [dict(p) for p in hvd.pending()]
+        except Exception as exc:  # noqa: BLE001
+            out["pending"] = [f"(cannot read: {exc})"]
+    return out
+
+
+def reset(timeout: float = 5.0) -> str:
+    """Restart the runtime after an interrupt: ``hvd.shutdown()`` then ``hvd.init()``.
+
+    Every rank calls this at once; a request left in flight by the interrupt is dropped.
+    Returns ``"ok"`` or the error text.
+    """
+    import hvd_magic.collectives as hvd
+    try:
+        hvd.shutdown(timeout=timeout)
+        hvd.init()
+        return "ok"
+    except BaseException:  # noqa: BLE001 - the pool decides what to do
+        return traceback.format_exc()
+
+
+def last_result() -> Any:
+    """The value of this rank's last cell (``Out`` of the previous execution count)."""
+    from IPython import get_ipython
+    ip = get_ipython()
+    if ip is None:
+        return None
+    return ip.user_ns.get("Out", {}).get(ip.execution_count - 1)

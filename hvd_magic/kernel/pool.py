@@ -1,0 +1,493 @@
+"""The pool: ipyparallel engines started by ``mpiexec`` (engine i is MPI rank i).
+
+:class:`Pool` does the work (start, run a cell, interrupt, stop); :mod:`.manager` decides
+which pool a request needs; the magics only parse and render. Start-up runs the controller,
+``mpiexec`` and the client at once (the connection files are written beforehand, see
+:mod:`.plan`) with a 100 ms heartbeat and no nanny processes on one host, so a 2-rank pool
+is ready in about 1 to 1.5 s instead of ipyparallel's default 6.7 s.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import queue
+import shutil
+import signal
+import tempfile
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+from .output import OutputSink, PoolCellError, PoolCellInterrupted, PoolCellTimeout, \
+    RankDiedError, RankFailure, ranks_text
+from .plan import PoolConfig, PoolPlan, plan_pool
+from .procs import descendants, describe_exit, engine_pids, parse_rank_exits, spawn, \
+    stop_tree, tail
+
+IPP_HINT = ("the pool needs ipyparallel: `pip install ipyparallel` "
+            "(or `pip install hvd_magic[notebook]`)")
+
+START_TIMEOUT = float(os.environ.get("HVD_MAGIC_START_TIMEOUT", "60"))
+
+
+class PoolError(RuntimeError):
+    """The pool could not start, or is gone. IPython shows the message (with the logs'
+    tails), not this module's frames."""
+
+    def _render_traceback_(self) -> List[str]:
+        return [f"PoolError: {self}"]
+
+
+def _ipp():
+    try:
+        import ipyparallel
+    except ImportError as exc:
+        raise ImportError(IPP_HINT) from exc
+    return ipyparallel
+
+
+def _short_tmp() -> str:
+    base = tempfile.gettempdir()
+    return base if len(base) < 40 else "/tmp"
+
+
+def clean_stale_dirs(base: str, min_age_s: float = 60.0) -> List[str]:
+    """Remove pool directories (``hvdm-*`` in ``base``) of this user that no running
+    controller names and that are older than ``min_age_s``: what a kernel killed with
+    SIGKILL left behind. Returns the removed paths."""
+    import glob
+
+    import psutil
+    candidates = []
+    for path in glob.glob(os.path.join(base, "hvdm-*")):
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        if st.st_uid == os.getuid() and time.time() - st.st_mtime > min_age_s:
+            candidates.append(path)
+    if not candidates:
+        return []
+    in_use = set()
+    for proc in psutil.process_iter(["cmdline"]):
+        line = " ".join(proc.info["cmdline"] or [])
+        if "--profile-dir=" in line:
+            in_use.update(p for p in candidates if f"--profile-dir={p}" in line)
+    removed = [p for p in candidates if p not in in_use]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
+@dataclass
+class CellOutcome:
+    """What a cell left behind: per-rank result bundles and execution counts."""
+
+    ranks: List[int]
+    results: Dict[int, Dict[str, Any]] = field(default_factory=dict)
+    counts: Dict[int, int] = field(default_factory=dict)
+
+
+_POOLS: "weakref.WeakSet[Pool]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for pool in list(_POOLS):
+        pool.stop()
+
+
+class Pool:
+    """One running set of MPI engines plus their controller. Use :meth:`start` (or
+    :class:`PoolManager`), :meth:`run_cell`, :meth:`interrupt`, :meth:`stop`."""
+
+    def __init__(self, config: PoolConfig) -> None:
+        self.config = config
+        self.plan: Optional[PoolPlan] = None
+        self.client: Any = None
+        self.controller: Any = None
+        self.mpiexec: Any = None
+        self.known: List[Any] = []
+        self.ended: Optional[str] = None        # why the pool is gone (None while usable)
+        self.started_s = 0.0
+        self.last_cell: Dict[int, str] = {}
+        self.pids: Dict[int, int] = {}          # rank -> engine pid (local pools)
+
+    @property
+    def size(self) -> int:
+        return self.config.np
+
+    # ------------------------------------------------------------------ start / stop
+    def start(self, sink: Optional[OutputSink] = None) -> "Pool":
+        """Start controller, engines and client; return when every rank is registered."""
+        ipp = _ipp()
+        t0 = time.monotonic()
+        if sink is not None:
+            sink.status(f"hvd: starting {self.config.np} ranks ...")
+        try:
+            clean_stale_dirs(_short_tmp())
+        except Exception:  # noqa: BLE001 - housekeeping only
+            pass
+        workdir = tempfile.mkdtemp(prefix="hvdm-", dir=_short_tmp())
+        os.chmod(workdir, 0o700)
+        self.config.workdir = workdir
+        self.plan = plan = plan_pool(self.config)
+        _POOLS.add(self)
+        try:
+            os.makedirs(os.path.dirname(plan.engine_file), mode=0o700, exist_ok=True)
+            for path, info in ((plan.engine_file, plan.engine_info),
+                               (plan.client_file, plan.client_info)):
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "w") as fh:
+                    json.dump(info, fh)
+            env = dict(os.environ)
+            env["PYTHONUNBUFFERED"] = "1"
+            self.controller = spawn(plan.controller_argv, env,
+                                    os.path.join(workdir, "controller.log"))
+            self.mpiexec = spawn(plan.engine_argv, plan.engine_env,
+                                 os.path.join(workdir, "mpiexec.log"))
+            self.client = ipp.Client(plan.client_file, timeout=START_TIMEOUT)
+            self._wait_for_engines(sink, t0)
+        except BaseException as exc:
+            why = self._start_failure(exc)
+            self.stop()
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            raise PoolError(why) from exc
+        self.known = descendants(self.mpiexec.pid) + descendants(self.controller.pid)
+        self.pids = engine_pids(self.known)
+        self.started_s = time.monotonic() - t0
+        return self
+
+    def _wait_for_engines(self, sink: Optional[OutputSink], t0: float) -> None:
+        n, last, shown = self.config.np, 0, time.monotonic()
+        deadline = t0 + START_TIMEOUT
+        while True:
+            count = len(self.client.ids)
+            if count >= n:
+                return
+            for name, proc in (("mpiexec", self.mpiexec), ("the controller", self.controller)):
+                if proc.poll() is not None:
+                    raise PoolError(f"{name} {describe_exit(proc.returncode)} while the pool "
+                                    "was starting")
+            now = time.monotonic()
+            if now > deadline:
+                hint = "" if self.plan is None or self.plan.single_host else (
+                    "; check that every host is reachable by ssh without a password and "
+                    "can reach this machine, e.g. hvdrun -np 2 -H HOSTS python -c 'print(1)'")
+                raise PoolError(f"only {count} of {n} ranks registered within {START_TIMEOUT:g} "
+                                f"s (HVD_MAGIC_START_TIMEOUT){hint}")
+            if sink is not None and (count != last or now - shown > 5.0):
+                sink.status(f"hvd: starting {n} ranks ... {count}/{n} ready "
+                            f"({now - t0:.1f} s)")
+                last, shown = count, now
+            time.sleep(0.01)
+
+    def _start_failure(self, exc: BaseException) -> str:
+        workdir = self.config.workdir
+        logs = "".join(f"\n--- {name} ---\n{text}" for name in ("mpiexec.log", "controller.log")
+                       if (text := tail(os.path.join(workdir, name), 2000).strip()))
+        return f"the pool did not start: {exc}{logs}"
+
+    def alive(self) -> bool:
+        """True while the controller, mpiexec and every rank are up."""
+        if self.ended is not None or self.client is None:
+            return False
+        for proc in (self.mpiexec, self.controller):
+            if proc is None or proc.poll() is not None:
+                self.ended = self._why_ended()
+                return False
+        return len(self.client.ids) >= self.config.np
+
+    def _why_ended(self) -> str:
+        """How the pool ended, in words: the ranks mpiexec reported, else the exit statuses."""
+        exits = parse_rank_exits(tail(os.path.join(self.config.workdir, "mpiexec.log"), 20000))
+        if exits:
+            return "; ".join(f"rank {e.rank} {e.how}" for e in exits)
+        for name, proc in (("mpiexec", self.mpiexec), ("the controller", self.controller)):
+            if proc is None or proc.poll() is not None:
+                return f"{name} {describe_exit(None if proc is None else proc.returncode)}"
+        return "the ranks stopped answering"
+
+    def stop(self) -> None:
+        """Stop everything this pool started (idempotent); no process is left behind."""
+        if self.client is not None:
+            try:
+                self.client.close(linger=0)
+            except Exception:  # noqa: BLE001 - tearing down anyway
+                pass
+            self.client = None
+        if self.controller is not None or self.mpiexec is not None:
+            stop_tree([self.mpiexec], [self.controller], self.known)
+        self.controller = self.mpiexec = None
+        self.known = []
+        if self.ended is None:
+            self.ended = "stopped"
+        if self.config.workdir.startswith(_short_tmp()) and "hvdm-" in self.config.workdir:
+            shutil.rmtree(self.config.workdir, ignore_errors=True)
+        _POOLS.discard(self)
+
+    # ------------------------------------------------------------------ cells
+    def targets(self, ranks: Optional[Sequence[int]]) -> List[int]:
+        """Validated target ranks (all when None)."""
+        if ranks is None:
+            return list(range(self.size))
+        bad = [r for r in ranks if not 0 <= r < self.size]
+        if bad:
+            raise ValueError(f"rank(s) {bad} do not exist: the pool has ranks 0..{self.size - 1}")
+        return sorted(set(ranks))
+
+    def run_cell(self, code: str, sink: OutputSink, ranks: Optional[Sequence[int]] = None,
+                 timeout: Optional[float] = None) -> CellOutcome:
+        """Run ``code`` on ``ranks`` (all by default), streaming output to ``sink``.
+
+        Raises :class:`PoolCellError` when ranks raise, :class:`RankDiedError` when a rank
+        dies (the pool is then stopped), :class:`PoolCellTimeout` past ``timeout``, and
+        KeyboardInterrupt after stopping the cell on every rank when interrupted.
+        """
+        targets = self.targets(ranks)
+        if not self.alive():
+            raise PoolError(f"the pool is gone ({self.ended}); the next %%hvd cell starts a "
+                            "new one")
+        ar = self.client[targets].execute(code, silent=False, block=False)
+        poke: "queue.SimpleQueue[int]" = queue.SimpleQueue()
+        for fut in ar._children:
+            fut.iopub_callbacks.append(lambda _msg: poke.put(1))
+        ar.add_done_callback(lambda _f: poke.put(1))
+        for r in targets:
+            self.last_cell[r] = "running a cell"
+        pump = _Pump(ar, targets, sink)
+        try:
+            self._wait(ar, pump, poke, timeout)
+        except KeyboardInterrupt:
+            note = self._settle_interrupt(ar, pump, targets, sink, "interrupted")
+            raise PoolCellInterrupted(note) from None
+        except _Timeout:
+            note = self._settle_interrupt(ar, pump, targets, sink,
+                                          f"ran past --timeout {timeout:g} s")
+            raise PoolCellTimeout([RankFailure(r, "timeout", "TimeoutError",
+                                               f"cell ran past --timeout {timeout:g} s")
+                                   for r in targets if not _done(ar, targets.index(r))],
+                                  note) from None
+        finally:
+            pump.flush()
+            sink.close()
+            for r in targets:
+                self.last_cell[r] = "idle"
+        return self._outcome(ar, targets, sink)
+
+    def _wait(self, ar: Any, pump: "_Pump", poke: "queue.SimpleQueue[int]",
+              timeout: Optional[float]) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not ar.ready():
+            try:
+                poke.get(timeout=0.05)
+            except queue.Empty:
+                pass
+            pump.flush()
+            if self.mpiexec.poll() is not None or self.controller.poll() is not None:
+                ar.wait(0.1)          # results already on their way; the job is over
+                return
+            if self._engine_lost(ar):
+                # one rank is gone: MPI ends the whole job; give mpiexec a moment to say
+                # which rank and how, then let _outcome stop the pool
+                try:
+                    self.mpiexec.wait(1.0)
+                except Exception:  # noqa: BLE001 - still running: stopped by _death
+                    pass
+                return
+            if deadline is not None and time.monotonic() > deadline:
+                raise _Timeout()
+        ar.wait_for_output(0.5)
+
+    @staticmethod
+    def _engine_lost(ar: Any) -> bool:
+        ipp = _ipp()
+        return any(isinstance(md.get("error"), ipp.error.EngineError) for md in ar._metadata)
+
+    def _settle_interrupt(self, ar: Any, pump: "_Pump", targets: List[int],
+                          sink: OutputSink, why: str) -> str:
+        """Stop the cell on every busy rank (SIGINT through the nannies), then reset the
+        runtime on every rank; if a rank does not stop, stop the pool. Returns what happened."""
+        try:
+            t0 = time.monotonic()
+            busy = [r for i, r in enumerate(targets) if not _done(ar, i)]
+            if busy:
+                self.interrupt(busy)
+            while not ar.ready() and time.monotonic() - t0 < 2.5:
+                ar.wait(0.05)
+                pump.flush()
+                if time.monotonic() - t0 > 1.0 and busy:
+                    self.interrupt([r for i, r in enumerate(targets) if not _done(ar, i)])
+                    busy = []
+            if not ar.ready():
+                stuck = [r for i, r in enumerate(targets) if not _done(ar, i)]
+                self.ended = f"{ranks_text(stuck)} did not stop when interrupted"
+                self.stop()
+                return (f"{why}; {self.ended}, so the pool was stopped; the next %%hvd cell "
+                        "starts a new one")
+            stopped = time.monotonic() - t0
+            ar.wait_for_output(0.3)
+            pump.flush()
+            note = self.reset_runtime()
+            return f"{why}: stopped on {ranks_text(targets)} in {stopped:.2f} s; {note}"
+        except KeyboardInterrupt:     # interrupted again while settling: stop hard
+            self.ended = "interrupted twice"
+            self.stop()
+            return "interrupted again; the pool was stopped, the next %%hvd cell starts a new one"
+
+    def interrupt(self, ranks: Optional[Sequence[int]] = None) -> None:
+        """SIGINT to ``ranks`` (default all): KeyboardInterrupt in the running cell there (an
+        idle engine ignores it). Local pools signal the engine pids, others go through
+        ipyparallel's nannies; ``mpiexec`` and the MPI job are not touched."""
+        targets = self.targets(ranks)
+        if self.plan is not None and self.plan.signal_via_pid:
+            for r in targets:
+                pid = self.pids.get(r)
+                if pid is not None:
+                    try:
+                        os.kill(pid, signal.SIGINT)
+                    except OSError:
+                        pass
+        elif self.client is not None:
+            self.client.send_signal("SIGINT", targets=targets, block=False)
+
+    def reset_runtime(self, timeout: float = 8.0) -> str:
+        """``hvd.shutdown()`` + ``hvd.init()`` on every rank (drops requests an interrupt left in
+        flight). Stops the pool if that fails; returns a sentence saying which happened."""
+        from .engine_side import reset
+        try:
+            ar = self.client[:].apply_async(reset, 5.0)
+            replies = ar.get(timeout)
+            bad = [r for r, rep in enumerate(replies) if rep != "ok"]
+            if not bad:
+                return "hvd runtime reset on every rank; the pool is ready"
+            why = f"resetting the runtime failed on {ranks_text(bad)}"
+        except Exception as exc:  # noqa: BLE001 - any failure means: restart
+            why = f"resetting the runtime failed ({type(exc).__name__}: {exc})"
+        self.ended = why
+        self.stop()
+        return f"{why}; the pool was stopped, the next %%hvd cell starts a new one"
+
+    def _outcome(self, ar: Any, targets: List[int], sink: OutputSink) -> CellOutcome:
+        ipp = _ipp()
+        out = CellOutcome(targets)
+        failures: List[RankFailure] = []
+        died = False
+        for i, r in enumerate(targets):
+            md = ar._metadata[i]
+            err = md.get("error")
+            if err is None and _done(ar, i):
+                try:
+                    err = ar._children[i].exception()
+                except Exception:  # noqa: BLE001
+                    err = None
+            if isinstance(err, ipp.error.EngineError) or (err is None and not _done(ar, i)):
+                died = True
+                failures.append(RankFailure(r, "died", "EngineError", "rank ended"))
+            elif err is not None:
+                tb = getattr(err, "traceback", None) or ""
+                failures.append(RankFailure(r, "error", getattr(err, "ename", type(err).__name__),
+                                            str(getattr(err, "evalue", err)),
+                                            tb.splitlines() if isinstance(tb, str) else list(tb)))
+            else:
+                res = md.get("execute_result")
+                if res:
+                    out.results[r] = res.get("data", {})
+                    sink.result(r, out.results[r])
+                    out.counts[r] = res.get("execution_count", 0)
+        if died or not self.alive():
+            raise self._death(failures, targets)
+        if failures:
+            raise PoolCellError(failures)
+        return out
+
+    def _death(self, failures: List[RankFailure], targets: List[int]) -> RankDiedError:
+        """Name the ranks that ended and how (from mpiexec's log), stop the pool."""
+        if self.mpiexec is not None:
+            try:
+                self.mpiexec.wait(2.0)
+            except Exception:  # noqa: BLE001
+                pass
+        log = tail(os.path.join(self.config.workdir, "mpiexec.log"), 20000)
+        exits = parse_rank_exits(log)
+        what = self._why_ended()
+        self.ended = what
+        self.stop()
+        dead = [RankFailure(e.rank, "died", "", e.how) for e in exits] or [
+            f for f in failures if f.kind == "died"] or [RankFailure(targets[0], "died", "", what)]
+        note = ("the MPI job ended, so the pool was stopped; the next %%hvd cell starts a new "
+                "one")
+        err = RankDiedError(dead, note)
+        err.log = log  # type: ignore[attr-defined]
+        return err
+
+    # ------------------------------------------------------------------ data, status
+    def push(self, names: Dict[str, Any], ranks: Optional[Sequence[int]] = None) -> None:
+        """Copy variables from here into the ranks' namespaces."""
+        self.client[self.targets(ranks)].push(names, block=True)
+
+    def pull(self, name: str, ranks: Optional[Sequence[int]] = None) -> List[Any]:
+        """The value of ``name`` on each of ``ranks`` (a list in rank order)."""
+        return list(self.client[self.targets(ranks)].pull(name, block=True))
+
+    def result_values(self, ranks: Sequence[int]) -> List[Any]:
+        """The values the last cell produced on ``ranks`` (``Out[n]`` there; None if none)."""
+        from .engine_side import last_result
+        return list(self.client[list(ranks)].apply_sync(last_result))
+
+    def status(self, timeout: float = 2.0) -> Dict[str, Any]:
+        """Ranks, hosts, pids, what each is doing, pending collectives; plus notes."""
+        from .engine_side import info
+        ranks: Dict[int, Dict[str, Any]] = {r: {"state": "unknown"} for r in range(self.size)}
+        if self.alive():
+            ar = self.client[:].apply_async(info)
+            ar.wait(timeout)
+            for i, r in enumerate(range(self.size)):
+                if _done(ar, i) and ar._children[i].exception() is None:
+                    ranks[r] = dict(ar._children[i].result())
+                    ranks[r]["state"] = self.last_cell.get(r, "idle")
+                else:
+                    ranks[r] = {"state": "busy (not answering)"}
+        return {"size": self.size, "alive": self.alive(), "ended": self.ended,
+                "start_s": self.started_s, "notes": list(self.plan.notes if self.plan else []),
+                "mpiexec_pid": getattr(self.mpiexec, "pid", None),
+                "controller_pid": getattr(self.controller, "pid", None), "ranks": ranks}
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _done(ar: Any, i: int) -> bool:
+    return ar._children[i].done()
+
+
+class _Pump:
+    """Moves new output from ipyparallel's per-engine metadata to a sink (main thread only).
+
+    ipyparallel's IO thread appends each message to the metadata before running callbacks;
+    reading the metadata (not the messages) means nothing is lost or doubled even for output
+    that arrived before the callbacks were attached.
+    """
+
+    def __init__(self, ar: Any, targets: List[int], sink: OutputSink) -> None:
+        self.ar, self.targets, self.sink = ar, targets, sink
+        self.offsets: Dict[tuple, int] = {}
+
+    def flush(self) -> None:
+        for i, r in enumerate(self.targets):
+            md = self.ar._metadata[i]
+            for name in ("stdout", "stderr"):
+                text = md.get(name) or ""
+                off = self.offsets.get((r, name), 0)
+                if len(text) > off:
+                    self.sink.stream(r, name, text[off:])
+                self.offsets[(r, name)] = len(text)
+            outputs = md.get("outputs") or []
+            seen = self.offsets.get((r, "outputs"), 0)
+            for item in outputs[seen:]:
+                self.sink.display(r, item.get("data", {}), item.get("metadata", {}))
+            self.offsets[(r, "outputs")] = len(outputs)

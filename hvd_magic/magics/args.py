@@ -1,0 +1,197 @@
+"""Deciding, not doing: parse ``%%hvd`` / ``%hvd`` arguments into request objects.
+
+Pure functions of the argument string; nothing starts. Every error is a ``UsageError``-style
+ValueError (:class:`HvdUsageError`) that says what to write instead.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from ..runner.plan import Host, parse_hosts
+
+CELL_USAGE = ("%%hvd [-np N] [-H host1:4,host2:4 | --hostfile FILE] [--ranks 0,2 | --rank 0] "
+              "[--timeout SECONDS] [--no-stream] [--out NAME]")
+LINE_USAGE = ("%hvd status | stop | restart | push NAME... [--ranks 0,2] | "
+              "pull NAME [--rank R] | start [-np N] [-H HOSTS | --hostfile F]")
+SUBCOMMANDS = ("status", "stop", "restart", "push", "pull", "start")
+
+
+class HvdUsageError(ValueError):
+    """Bad ``%%hvd``/``%hvd`` arguments; the magics show it as IPython's UsageError."""
+
+
+@dataclass
+class CellRequest:
+    """What a ``%%hvd`` line asked for. ``np``/``hosts`` None mean: the running pool's, or
+    the default (``HVD_MAGIC_NP``, else 2) when none runs."""
+
+    np: Optional[int] = None
+    hosts: Optional[List[Host]] = None
+    hostfile: Optional[str] = None
+    ranks: Optional[List[int]] = None
+    timeout: Optional[float] = None
+    stream: bool = True
+    out: Optional[str] = None
+
+
+@dataclass
+class LineRequest:
+    """What a ``%hvd`` line asked for."""
+
+    command: str
+    names: List[str] = field(default_factory=list)
+    rank: Optional[int] = None
+    ranks: Optional[List[int]] = None
+    pool: CellRequest = field(default_factory=CellRequest)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of printing and exiting."""
+
+    def __init__(self, usage: str) -> None:
+        super().__init__(prog="%%hvd", usage=usage, add_help=False, allow_abbrev=False)
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise HvdUsageError(f"{message}\nusage: {self.usage}")
+
+
+def _np(text: str) -> int:
+    if not text.strip().isdigit():
+        raise HvdUsageError(f"-np {text!r}: give a whole number of ranks >= 1, e.g. -np 2")
+    value = int(text)
+    if value < 1:
+        raise HvdUsageError(f"-np {value}: a pool needs at least 1 rank, e.g. -np 2")
+    return value
+
+
+def _rank_list(text: str, flag: str) -> List[int]:
+    items = [t.strip() for t in text.split(",")]
+    if not items or not all(t.isdigit() for t in items):
+        raise HvdUsageError(f"{flag} {text!r}: give rank numbers separated by commas, "
+                            "e.g. --ranks 0,2")
+    ranks = [int(t) for t in items]
+    if len(set(ranks)) != len(ranks):
+        raise HvdUsageError(f"{flag} {text!r}: a rank is listed twice")
+    return ranks
+
+
+def _timeout(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise HvdUsageError(f"--timeout {text!r}: give seconds > 0, e.g. --timeout 60")
+    return value
+
+
+def _pool_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-np", "--np", dest="np", default=None)
+    hosts = p.add_mutually_exclusive_group()
+    hosts.add_argument("-H", "--hosts", dest="hosts", default=None)
+    hosts.add_argument("--hostfile", dest="hostfile", default=None)
+
+
+def _pool_fields(ns: argparse.Namespace, req: CellRequest) -> None:
+    if ns.np is not None:
+        req.np = _np(ns.np)
+    if ns.hosts is not None:
+        try:
+            req.hosts = parse_hosts(ns.hosts)
+        except ValueError as exc:
+            raise HvdUsageError(str(exc)) from None
+    if ns.hostfile is not None:
+        if not ns.hostfile.strip():
+            raise HvdUsageError("--hostfile needs a file name, e.g. --hostfile hosts.txt")
+        req.hostfile = ns.hostfile
+
+
+def _split(line: str, usage: str) -> List[str]:
+    try:
+        return shlex.split(line or "")
+    except ValueError as exc:
+        raise HvdUsageError(f"cannot read the arguments ({exc}); check the quotes\n"
+                            f"usage: {usage}") from None
+
+
+def parse_cell_args(line: str) -> CellRequest:
+    """``%%hvd`` arguments -> :class:`CellRequest` (raises :class:`HvdUsageError`)."""
+    p = _Parser(CELL_USAGE)
+    _pool_options(p)
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--ranks", default=None)
+    which.add_argument("--rank", default=None)
+    p.add_argument("--timeout", default=None)
+    p.add_argument("--no-stream", dest="stream", action="store_false", default=True)
+    p.add_argument("--out", default=None)
+    ns = p.parse_args(_split(line, CELL_USAGE))
+    req = CellRequest(stream=ns.stream)
+    _pool_fields(ns, req)
+    if ns.ranks is not None:
+        req.ranks = _rank_list(ns.ranks, "--ranks")
+    if ns.rank is not None:
+        req.ranks = _rank_list(ns.rank, "--rank")
+        if len(req.ranks) != 1:
+            raise HvdUsageError(f"--rank {ns.rank!r}: one rank; use --ranks for several")
+    if ns.timeout is not None:
+        req.timeout = _timeout(ns.timeout)
+    if ns.out is not None:
+        if not ns.out.isidentifier():
+            raise HvdUsageError(f"--out {ns.out!r}: give a Python variable name, e.g. --out res")
+        req.out = ns.out
+    check_ranks(req)
+    return req
+
+
+def check_ranks(req: CellRequest, size: Optional[int] = None) -> None:
+    """Ranks beyond the pool's size (``-np`` or ``size``) are a usage error."""
+    n = req.np if req.np is not None else size
+    if req.ranks is not None and n is not None:
+        bad = [r for r in req.ranks if r >= n]
+        if bad:
+            raise HvdUsageError(f"rank(s) {bad} do not exist in a pool of {n} ranks (0..{n - 1})")
+
+
+def parse_line_args(line: str) -> LineRequest:
+    """``%hvd`` arguments -> :class:`LineRequest` (raises :class:`HvdUsageError`)."""
+    words = _split(line, LINE_USAGE)
+    if not words:
+        raise HvdUsageError(f"%hvd needs a command\nusage: {LINE_USAGE}")
+    command, rest = words[0], words[1:]
+    if command not in SUBCOMMANDS:
+        raise HvdUsageError(f"%hvd {command}: unknown command; use one of "
+                            f"{', '.join(SUBCOMMANDS)}\nusage: {LINE_USAGE}\n"
+                            "(to run code on the ranks use the cell magic %%hvd)")
+    req = LineRequest(command)
+    p = _Parser(LINE_USAGE)
+    if command in ("status", "stop"):
+        p.parse_args(rest)
+    elif command in ("restart", "start"):
+        _pool_options(p)
+        _pool_fields(p.parse_args(rest), req.pool)
+    elif command == "push":
+        p.add_argument("names", nargs="*")
+        p.add_argument("--ranks", default=None)
+        ns = p.parse_args(rest)
+        req.names = list(ns.names)
+        if not req.names:
+            raise HvdUsageError("%hvd push needs variable names, e.g. %hvd push model lr")
+        if ns.ranks is not None:
+            req.ranks = _rank_list(ns.ranks, "--ranks")
+    else:
+        p.add_argument("names", nargs="*")
+        p.add_argument("--rank", default=None)
+        ns = p.parse_args(rest)
+        req.names = list(ns.names)
+        if len(req.names) != 1:
+            raise HvdUsageError("%hvd pull takes one variable name, e.g. %hvd pull loss "
+                                "[--rank 0]")
+        if ns.rank is not None:
+            req.rank = _rank_list(ns.rank, "--rank")[0]
+    bad = [n for n in req.names if not n.isidentifier()]
+    if bad:
+        raise HvdUsageError(f"{bad}: not Python variable names")
+    return req

@@ -1,0 +1,225 @@
+"""The IPython magics: ``%%hvd``, ``%hvd ...`` and ``%autohvd``. Thin: parse (:mod:`.args`),
+call the pool (:class:`hvd_magic.kernel.PoolManager`), render (an ``OutputSink``)."""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Dict, List, Optional
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
+
+from .args import CellRequest, HvdUsageError, check_ranks, parse_cell_args, parse_line_args
+
+#: First lines that keep a cell in this kernel while %autohvd is on.
+LOCAL_PREFIXES = ("%hvd", "%autohvd", "%%")
+
+
+def _usage(exc: BaseException) -> UsageError:
+    return UsageError(str(exc))
+
+
+@magics_class
+class HvdMagics(Magics):
+    """``%%hvd`` runs a cell on the pool's ranks; ``%hvd`` manages the pool."""
+
+    #: Makes the renderer of one cell: ``sink_factory(stream=bool)`` -> OutputSink. The
+    #: widget renderer of a later step replaces this.
+    sink_factory: Callable[..., Any] = None  # type: ignore[assignment]
+
+    def __init__(self, shell: Any, manager: Any = None) -> None:
+        super().__init__(shell)
+        if manager is None:
+            from ..kernel.manager import PoolManager
+            manager = PoolManager()
+        self.manager = manager
+        self.auto_line: Optional[str] = None     # %%hvd arguments while %autohvd is on
+
+    def _sink(self, stream: bool = True) -> Any:
+        factory = type(self).sink_factory       # through the class: a plain function stays unbound
+        if factory is not None:
+            return factory(stream=stream)
+        from ..kernel.output import TextSink
+        return TextSink(stream_output=stream)
+
+    # ------------------------------------------------------------------ %%hvd
+    def _pool_for(self, req: CellRequest, sink: Any) -> Any:
+        from ..runner.launch import MpiNotFoundError
+        if req.np is None and req.hosts is None and req.hostfile is None:
+            pool = self.manager.pool
+            if pool is not None and pool.alive():
+                check_ranks(req, pool.size)
+                return pool
+        check_ranks(req, self.manager.default_np() if req.np is None else req.np)
+        try:
+            return self.manager.ensure(req.np, req.hosts, req.hostfile, sink)
+        except (ValueError, TypeError, MpiNotFoundError) as exc:
+            raise _usage(exc) from None
+
+    def run_cell_on_pool(self, line: str, cell: str) -> None:
+        """``%%hvd LINE`` + ``cell``: run it on the ranks, results per rank, ``--out``."""
+        try:
+            req = parse_cell_args(line)
+        except HvdUsageError as exc:
+            raise _usage(exc) from None
+        sink = self._sink(req.stream)
+        pool = self._pool_for(req, sink)
+        outcome = pool.run_cell(cell, sink, ranks=req.ranks, timeout=req.timeout)
+        if req.out:
+            values = pool.result_values(outcome.ranks)
+            self.shell.user_ns[req.out] = dict(zip(outcome.ranks, values))
+
+    @line_cell_magic
+    def hvd(self, line: str, cell: Optional[str] = None) -> Any:
+        """%%hvd [-np N] [-H HOSTS | --hostfile F] [--ranks 0,2 | --rank 0] [--timeout S]
+        [--no-stream] [--out NAME]: run the cell on every rank of the pool (started on first
+        use, reused, restarted for another size or hosts). Output streams live as ``[rank]
+        line``; the cell's value shows per rank; ``--out NAME`` stores ``{rank: value}``.
+
+        %hvd status | stop | restart [-np N] | push NAME... [--ranks R,..] |
+        pull NAME [--rank R] | start [-np N]: manage the pool and move variables.
+        """
+        if cell is not None:
+            self.run_cell_on_pool(line, cell)
+            return None
+        try:
+            req = parse_line_args(line)
+        except HvdUsageError as exc:
+            raise _usage(exc) from None
+        return getattr(self, f"_cmd_{req.command}")(req)
+
+    # ------------------------------------------------------------------ %hvd commands
+    def _cmd_status(self, _req: Any) -> None:
+        pool = self.manager.pool
+        if pool is None:
+            print("hvd: no pool running; the next %%hvd cell starts one")
+            return
+        print(render_status(pool.status()))
+
+    def _cmd_stop(self, _req: Any) -> None:
+        print("hvd: pool stopped" if self.manager.stop() else "hvd: no pool was running")
+
+    def _cmd_start(self, req: Any) -> None:
+        sink = self._sink()
+        self._pool_for(req.pool, sink)
+
+    def _cmd_restart(self, req: Any) -> None:
+        self.manager.stop()          # then start for the request, or the last one
+        self._pool_for(req.pool, self._sink())
+
+    def _require_pool(self) -> Any:
+        pool = self.manager.pool
+        if pool is None or not pool.alive():
+            raise UsageError("no pool is running; run a %%hvd cell (or %hvd start -np N) first")
+        return pool
+
+    def _cmd_push(self, req: Any) -> None:
+        pool = self._require_pool()
+        missing = [n for n in req.names if n not in self.shell.user_ns]
+        if missing:
+            raise UsageError(f"%hvd push: {missing} not defined in this notebook")
+        try:
+            pool.push({n: self.shell.user_ns[n] for n in req.names}, req.ranks)
+        except ValueError as exc:
+            raise _usage(exc) from None
+
+    def _cmd_pull(self, req: Any) -> Any:
+        pool = self._require_pool()
+        name = req.names[0]
+        try:
+            values = pool.pull(name, None if req.rank is None else [req.rank])
+        except ValueError as exc:
+            raise _usage(exc) from None
+        except Exception as exc:  # noqa: BLE001 - NameError on a rank, shown plainly
+            raise UsageError(f"%hvd pull {name}: {type(exc).__name__}: {exc}") from None
+        self.shell.user_ns[name] = values[0] if req.rank is not None else values
+        return None
+
+    # ------------------------------------------------------------------ %autohvd
+    @line_magic
+    def autohvd(self, line: str) -> None:
+        """%autohvd [%%hvd options] | %autohvd off: run every following cell on the pool
+        (cells starting with %hvd, %autohvd or another cell magic stay here)."""
+        words = line.split()
+        if words[:1] in (["off"], ["0"], ["false"]):
+            self.auto_line = None
+            _remove_transformer(self.shell, self._transform)
+            print("hvd: autohvd off; cells run in this kernel")
+            return
+        if words[:1] == ["on"]:
+            line = " ".join(words[1:])
+        try:
+            parse_cell_args(line)
+        except HvdUsageError as exc:
+            raise _usage(exc) from None
+        self.auto_line = line
+        cleanup = self.shell.input_transformers_cleanup
+        if self._transform not in cleanup:
+            cleanup.append(self._transform)
+        print("hvd: autohvd on; every cell runs on the pool until %autohvd off")
+
+    def _transform(self, lines: List[str]) -> List[str]:
+        if self.auto_line is None or not "".join(lines).strip():
+            return lines
+        first = next(line for line in lines if line.strip()).lstrip()
+        if first.startswith(LOCAL_PREFIXES):
+            return lines
+        return [f"%%hvd {self.auto_line}\n"] + lines
+
+    def close(self) -> None:
+        """Stop autohvd and the pool (the extension is unloaded)."""
+        _remove_transformer(self.shell, self._transform)
+        self.manager.stop()
+
+
+def _remove_transformer(shell: Any, fn: Any) -> None:
+    cleanup = shell.input_transformers_cleanup
+    while fn in cleanup:
+        cleanup.remove(fn)
+
+
+def render_status(st: Dict[str, Any]) -> str:
+    """``%hvd status`` as text: the pool, then one line per rank, then pending collectives."""
+    state = "running" if st["alive"] else f"gone ({st['ended']})"
+    lines = [f"hvd pool: {st['size']} ranks, {state}; started in {st['start_s']:.1f} s; "
+             f"mpiexec pid {st['mpiexec_pid']}, controller pid {st['controller_pid']}"]
+    lines += [f"  note: {n}" for n in st["notes"]]
+    lines.append(f"  {'rank':>4}  {'host':<16} {'pid':>7} {'nanny':>7}  {'gpu':<5} state")
+    pending: List[str] = []
+    for r, info in sorted(st["ranks"].items()):
+        gpu = info.get("cuda_visible_devices") or "-"
+        doing = info.get("state", "?")
+        if info.get("init_error"):
+            doing += f"; hvd.init failed: {info['init_error']}"
+        lines.append(f"  {r:>4}  {str(info.get('host', '?')):<16} {str(info.get('pid', '?')):>7} "
+                     f"{str(info.get('nanny') or '-'):>7}  {gpu:<5} {doing}")
+        pending += [f"  rank {r}: {_pending_text(p)}" for p in info.get("pending") or []]
+    lines.append("pending collectives:" if pending else "pending collectives: none")
+    return "\n".join(lines + pending)
+
+
+def _pending_text(p: Any) -> str:
+    if not isinstance(p, dict):
+        return str(p)
+    missing = p.get("missing_ranks")
+    waits = f"for ranks {missing}" if missing else "in flight"
+    return (f"{p.get('kind', '?')} {p.get('name', '?')!r} waiting {p.get('waiting_s', 0):.1f} s "
+            f"{waits} (submitted by {p.get('submitted_by')})")
+
+
+def default_manager() -> Any:
+    """The process-wide pool manager (one pool per kernel)."""
+    global _MANAGER
+    if _MANAGER is None:
+        from ..kernel.manager import PoolManager
+        _MANAGER = PoolManager()
+    return _MANAGER
+
+
+_MANAGER: Any = None
+
+
+def autohvd_from_env(magics: HvdMagics) -> None:
+    """Turn %autohvd on when ``HVD_MAGIC_AUTOHVD`` is set (the hvd_magic Jupyter kernel)."""
+    value = os.environ.get("HVD_MAGIC_AUTOHVD", "")
+    if value and value.lower() not in ("0", "off", "false", "no"):
+        magics.autohvd("" if value.lower() in ("1", "on", "true", "yes") else value)
