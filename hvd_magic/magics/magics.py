@@ -33,13 +33,14 @@ class HvdMagics(Magics):
             manager = PoolManager()
         self.manager = manager
         self.auto_line: Optional[str] = None     # %%hvd arguments while %autohvd is on
+        self.last_cell: Optional[str] = None     # what `%hvd scale` re-runs without a cell
 
     def _sink(self, stream: bool = True) -> Any:
         factory = type(self).sink_factory       # through the class: a plain function stays unbound
-        if factory is not None:
-            return factory(stream=stream)
-        from ..kernel.output import TextSink
-        return TextSink(stream_output=stream)
+        if factory is None:
+            # Widgets in a Jupyter kernel with ipywidgets, rank-prefixed text elsewhere.
+            from ..widgets import make_sink as factory
+        return factory(stream=stream)
 
     # ------------------------------------------------------------------ %%hvd
     def _pool_for(self, req: CellRequest, sink: Any) -> Any:
@@ -63,7 +64,9 @@ class HvdMagics(Magics):
             raise _usage(exc) from None
         sink = self._sink(req.stream)
         pool = self._pool_for(req, sink)
-        outcome = pool.run_cell(cell, sink, ranks=req.ranks, timeout=req.timeout)
+        self.last_cell = cell
+        from ..widgets import run_cell
+        outcome = run_cell(pool, cell, sink, ranks=req.ranks, timeout=req.timeout)
         if req.out:
             values = pool.result_values(outcome.ranks)
             self.shell.user_ns[req.out] = dict(zip(outcome.ranks, values))
@@ -78,6 +81,8 @@ class HvdMagics(Magics):
         %hvd status | stop | restart [-np N] | push NAME... [--ranks R,..] |
         pull NAME [--rank R] | start [-np N]: manage the pool and move variables.
         """
+        if line.split()[:1] == ["scale"]:
+            return self._scale(line, cell)
         if cell is not None:
             self.run_cell_on_pool(line, cell)
             return None
@@ -86,6 +91,29 @@ class HvdMagics(Magics):
         except HvdUsageError as exc:
             raise _usage(exc) from None
         return getattr(self, f"_cmd_{req.command}")(req)
+
+    def _scale(self, line: str, cell: Optional[str]) -> Any:
+        """``%%hvd scale --np 1,2,4`` (or ``%hvd scale ...`` for the last %%hvd cell): run the
+        cell at each pool size; plot throughput and efficiency against ranks."""
+        words = line.split()[1:]
+        nps = None
+        for i, w in enumerate(words):
+            if w in ("--np", "-np") and i + 1 < len(words):
+                nps = words[i + 1]
+            elif w.startswith("--np="):
+                nps = w.split("=", 1)[1]
+        if nps is None:
+            raise UsageError("usage: %%hvd scale --np 1,2,4 (then the cell), or %hvd scale "
+                             "--np 1,2,4 to re-run the last %%hvd cell")
+        code = cell if cell is not None else self.last_cell
+        if not code:
+            raise UsageError("%hvd scale: no %%hvd cell has run yet; put the code in the cell: "
+                             "%%hvd scale --np 1,2,4")
+        from ..widgets import scale
+        try:
+            return scale(self.manager, code, nps)
+        except (ValueError, TypeError) as exc:
+            raise _usage(exc) from None
 
     # ------------------------------------------------------------------ %hvd commands
     def _cmd_status(self, _req: Any) -> None:

@@ -35,6 +35,7 @@ from .mpi_ops import (allgather, allgather_async, allreduce, allreduce_, allredu
                       grouped_allreduce_async, grouped_allreduce_async_, join, poll,
                       reducescatter, reducescatter_async, synchronize)
 from .optimizer import DistributedOptimizer
+from hvd_magic.collectives import report  # live throughput for the %%hvd panel
 from .sync_batch_norm import SyncBatchNorm
 
 

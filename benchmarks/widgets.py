@@ -1,0 +1,95 @@
+"""Cost of the live widgets: a 2-rank torch training cell's throughput with every widget live
+(WidgetSink: telemetry thread on each rank, timeline events, log lanes, bokeh timeline)
+against the same cell with ``--no-stream`` (plain text, no telemetry). Side by side in one
+real ipykernel (started with jupyter_client; the widgets send their comm messages as in a
+notebook, no browser draws them), alternating, medians. Target: within 5%.
+
+    .venv/bin/python benchmarks/widgets.py [--rounds 6] [--steps 600]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+CELL = """%%hvd -np 2 {flags}
+import time, torch
+import hvd_magic.torch as hvd
+from hvd_magic.widgets import report
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                               named_parameters=model.named_parameters())
+hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+for step in range({warm}):
+    opt.zero_grad(); torch.nn.functional.cross_entropy(model(x), y).backward(); opt.step()
+t0 = time.perf_counter()
+for step in range({steps}):
+    opt.zero_grad()
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    report(samples=64)
+    if step % 100 == 0:
+        print(f"step {{step}} loss {{loss.item():.4f}}")
+tput = 64 * {steps} / (time.perf_counter() - t0)
+"""
+
+
+def run(kc, code: str, timeout: float = 300) -> list:
+    msg_id = kc.execute(code)
+    outs = []
+    while True:
+        msg = kc.get_iopub_msg(timeout=timeout)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        t = msg["msg_type"]
+        if t == "stream":
+            outs.append(msg["content"]["text"])
+        elif t == "error":
+            raise RuntimeError("\n".join(msg["content"]["traceback"]))
+        elif t == "status" and msg["content"]["execution_state"] == "idle":
+            return outs
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=600)
+    args = ap.parse_args()
+    from jupyter_client.manager import start_new_kernel
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        run(kc, "%load_ext hvd_magic\n"
+                "from hvd_magic.widgets import sink as _s\n")
+        res = {"widgets": [], "no-stream": []}
+        order = ["widgets", "no-stream"]
+        run(kc, CELL.format(flags="--no-stream", steps=50, warm=5))      # pool start, warm-up
+        for i in range(args.rounds):
+            for mode in (order if i % 2 == 0 else order[::-1]):
+                flags = "--no-stream" if mode == "no-stream" else ""
+                run(kc, CELL.format(flags=flags, steps=args.steps, warm=20))
+                out = "".join(run(kc, "%hvd pull tput\nprint('TPUT', sum(tput), type(_s.LAST.get('sink')).__name__)"))
+                val = float(out.split("TPUT")[1].split()[0])
+                res[mode].append(val)
+                print(f"round {i} {mode:9s} {val:9.0f} samples/s (2 ranks) "
+                      f"{out.split()[-1] if mode == 'widgets' else ''}", flush=True)
+        live_out = "".join(run(kc, "print(_s.LAST['cell'].summary_text()); "
+                                   "print('batches', _s.LAST['sink'].feed.batches)"))
+        run(kc, "%hvd stop")
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    w, n = statistics.median(res["widgets"]), statistics.median(res["no-stream"])
+    ratio = w / n
+    print(f"\nmedian throughput: widgets {w:.0f} samples/s, --no-stream {n:.0f} samples/s, "
+          f"ratio {ratio:.3f} ({(ratio - 1) * 100:+.1f}%)")
+    print("last widget cell, as the text summary:\n" + live_out)
+    print(("PASS" if ratio >= 0.95 else "MISS") + " widgets within 5% of --no-stream")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

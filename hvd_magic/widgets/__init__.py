@@ -1,0 +1,57 @@
+"""Live widgets for ``%%hvd`` cells: rank logs, status badges, a stall/failure banner,
+throughput and scaling efficiency, and a bokeh timeline of the collectives, all through
+Jupyter comms (ipywidgets, jupyter_bokeh). In a terminal the same information is text.
+
+* engine side: :mod:`.telemetry` (``report(samples=n)``, ``enable()``)
+* pure: :mod:`.model` (logs, spans, throughput arithmetic, snapshots), :mod:`.scaling` (pure part)
+* client side: :mod:`.sink` (``make_sink``, ``run_cell``, ``save_trace``, ``set_baseline``)
+
+ipywidgets and bokeh are imported only when a widget is made.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .telemetry import report
+
+__all__ = ["install", "make_sink", "report", "run_cell", "save_trace", "set_baseline", "scale"]
+
+
+def make_sink(stream: bool = True, **kw: Any) -> Any:
+    """The renderer of one ``%%hvd`` cell (``HvdMagics.sink_factory``)."""
+    from .sink import make_sink as _m
+    return _m(stream=stream, **kw)
+
+
+def run_cell(pool: Any, code: str, sink: Any, ranks: Any = None, timeout: Any = None) -> Any:
+    """``pool.run_cell`` with live telemetry when ``sink`` is a live sink."""
+    from .sink import run_cell as _r
+    return _r(pool, code, sink, ranks=ranks, timeout=timeout)
+
+
+def install(magics: Any = None) -> Any:
+    """Make the loaded ``%%hvd`` magic use the widgets (until the magic does it itself)."""
+    from .sink import install as _i
+    return _i(magics)
+
+
+def save_trace(path: Any = None) -> str:
+    """Write the last cell's timeline as Chrome-trace JSON (Perfetto); returns the path."""
+    from .sink import save_trace as _s
+    return _s(path)
+
+
+def set_baseline(samples_per_s: float, code: Any = None) -> None:
+    """The 1-rank samples/s that scaling efficiency compares against."""
+    from .sink import set_baseline as _b
+    _b(samples_per_s, code)
+
+
+def scale(manager: Any, code: str, nps: Any) -> Any:
+    """Run ``code`` at each pool size of ``nps`` (``"1,2,4"`` or a list), show the plot and
+    table, return the points (what ``%hvd scale --np 1,2,4`` calls)."""
+    from . import scaling as S
+    sizes = S.parse_np_list(nps) if isinstance(nps, str) else sorted(set(nps))
+    points = S.run_scaling(manager, code, sizes, progress=print)
+    S.show_scaling(points)
+    return points

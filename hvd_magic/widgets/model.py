@@ -1,0 +1,604 @@
+"""The pure part of the widgets: no UI, no ipyparallel, no MPI. Everything here is a function
+of the data it is given, so it is unit-tested on its own (``tests/test_widgets.py``).
+
+* :class:`LogBuffer`: per-rank stdout/stderr lines, the last N kept, "... N earlier lines".
+* :func:`compact_events`: the runtime's timeline events -> merged phase spans (engine side).
+* :class:`SpanTrack`: spans per rank with the gaps between collectives filled in as compute.
+* :class:`Throughput`, :func:`efficiency`, :func:`comm_fraction`: the arithmetic of samples/s.
+* :class:`CellState`: everything one cell's widget shows, fed with telemetry batches; its
+  ``summary_text()`` is what a terminal / nbconvert gets instead of the widgets.
+* :func:`chrome_trace`, :func:`snapshot_html`, :func:`timeline_svg`: what is saved.
+"""
+from __future__ import annotations
+
+import html
+import json
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Deque, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+# ---------------------------------------------------------------------------- statuses
+
+STARTING, RUNNING, WAITING, DONE, FAILED, STALLED = (
+    "starting", "running", "waiting", "done", "failed", "stalled")
+STATUS_TEXT = {STARTING: "starting", RUNNING: "running", WAITING: "waiting in a collective",
+               DONE: "done", FAILED: "failed", STALLED: "stalled"}
+STATUS_COLOR = {STARTING: "#888888", RUNNING: "#1f77b4", WAITING: "#e6a700", DONE: "#2ca02c",
+                FAILED: "#d62728", STALLED: "#ff7f0e"}
+
+# ---------------------------------------------------------------------------- phases
+
+NEGOTIATE, QUEUE, COPY_IN, COPY_OUT, COMPUTE = (
+    "NEGOTIATE", "QUEUE", "MEMCPY_IN_FUSION_BUFFER", "MEMCPY_OUT_FUSION_BUFFER", "COMPUTE")
+#: Legend groups of the timeline (everything else is a reduction / data movement phase).
+PHASE_GROUP = {NEGOTIATE: "negotiation", QUEUE: "queue", COPY_IN: "fusion copy",
+               COPY_OUT: "fusion copy", COMPUTE: "compute"}
+GROUP_COLOR = {"negotiation": "#9467bd", "queue": "#c7c7c7", "fusion copy": "#17becf",
+               "reduction": "#d62728", "compute": "#a6d96a"}
+
+
+def phase_group(phase: str) -> str:
+    """The legend group of a runtime phase name (MPI_ALLREDUCE, EAGER_ALLREDUCE ... are
+    "reduction")."""
+    return PHASE_GROUP.get(phase, "reduction")
+
+
+# ---------------------------------------------------------------------------- logs
+
+@dataclass
+class LogBuffer:
+    """The lines of one rank: complete lines plus the unfinished tail of each stream.
+
+    Keeps the last ``max_lines`` lines (``dropped`` counts the ones rolled over); a line longer
+    than ``max_line`` characters is cut. ``version`` changes with every visible change, so a
+    renderer redraws only what changed.
+    """
+
+    max_lines: int = 200
+    max_line: int = 2000
+    lines: Deque[Tuple[str, str]] = field(default_factory=deque)   # (stream name, text)
+    partial: Dict[str, str] = field(default_factory=dict)
+    dropped: int = 0
+    total: int = 0
+    version: int = 0
+
+    def add(self, name: str, text: str) -> None:
+        """A piece of ``stdout``/``stderr``; ``\\r`` rewrites the current line (progress bars)."""
+        if not text:
+            return
+        buf = self.partial.get(name, "") + text
+        parts = buf.split("\n")
+        self.partial[name] = _cr(parts.pop())
+        for line in parts:
+            self._push(name, _cr(line))
+        self.version += 1
+
+    def _push(self, name: str, line: str) -> None:
+        if len(line) > self.max_line:
+            line = line[: self.max_line] + f" ... ({len(line) - self.max_line} more characters)"
+        self.lines.append((name, line))
+        self.total += 1
+        while len(self.lines) > self.max_lines:
+            self.lines.popleft()
+            self.dropped += 1
+
+    def flush(self) -> None:
+        """End of the cell: unfinished lines become lines."""
+        for name in sorted(self.partial):
+            if self.partial[name]:
+                self._push(name, self.partial[name])
+                self.version += 1
+        self.partial.clear()
+
+    def view(self) -> List[Tuple[str, str]]:
+        """What to show: kept lines, then the unfinished ones (oldest first)."""
+        return list(self.lines) + [(n, t) for n, t in sorted(self.partial.items()) if t]
+
+    def marker(self) -> str:
+        """``"... 1234 earlier lines"`` when lines rolled over, else ``""``."""
+        if not self.dropped:
+            return ""
+        return f"\u2026 {self.dropped} earlier line{'s' if self.dropped != 1 else ''}"
+
+    def html(self) -> str:
+        """The lane as HTML: stderr in red, the rollover marker on top."""
+        out = []
+        if self.dropped:
+            out.append(f'<span class="hvdm-fold" style="color:#888">{html.escape(self.marker())}'
+                       "</span>")
+        for name, line in self.view():
+            esc = html.escape(line) or "&nbsp;"
+            if name == "stderr":
+                out.append(f'<span class="hvdm-stderr" style="color:#c00">{esc}</span>')
+            else:
+                out.append(f'<span class="hvdm-stdout">{esc}</span>')
+        return "\n".join(out)
+
+    def text(self, rank: int) -> str:
+        lines = ([f"[{rank}] {self.marker()}"] if self.dropped else []) + [
+            f"[{rank}]{'!' if n == 'stderr' else ''} {t}" for n, t in self.view()]
+        return "\n".join(lines)
+
+
+def _cr(line: str) -> str:
+    """A line as a terminal shows it after carriage returns (the text after the last one)."""
+    if "\r" not in line:
+        return line
+    pieces = [p for p in line.split("\r") if p]
+    return pieces[-1] if pieces else ""
+
+
+# ---------------------------------------------------------------------------- spans
+
+Span = Tuple[float, float, str, str]     # (start_us, end_us, phase, label)
+
+
+def merge_intervals(intervals: Iterable[Tuple[float, float]]) -> List[Tuple[float, float]]:
+    """Union of ``[start, end]`` intervals, sorted, overlapping or touching ones merged."""
+    out: List[List[float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            if e > out[-1][1]:
+                out[-1][1] = e
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def compact_events(events: Iterable[Sequence[Any]], max_spans: int = 400) -> Tuple[List[Span], float]:
+    """Timeline events ``(rank, tensor, phase, start_us, dur_us, args)`` -> (spans, busy_us).
+
+    Overlapping events of the same phase (many tensors negotiated or reduced together) merge
+    into one span labelled with the tensors (``"grad.w +3"``). Instant events (no duration)
+    are dropped. ``busy_us`` is the union of all phases (time with a collective in flight),
+    computed before the newest ``max_spans`` spans are kept.
+    """
+    by_phase: Dict[str, List[Tuple[float, float, str]]] = {}
+    for ev in events:
+        _rank, tensor, phase, start, dur = ev[0], ev[1], ev[2], ev[3], ev[4]
+        if dur is None or phase == "CYCLE_START":
+            continue
+        by_phase.setdefault(phase, []).append((float(start), float(start) + float(dur), str(tensor)))
+    spans: List[Span] = []
+    everything: List[Tuple[float, float]] = []
+    for phase, items in by_phase.items():
+        items.sort()
+        cur: Optional[List[Any]] = None
+        for s, e, tensor in items:
+            everything.append((s, e))
+            if cur is not None and s <= cur[1]:
+                cur[1] = max(cur[1], e)
+                cur[2].append(tensor)
+            else:
+                if cur is not None:
+                    spans.append((cur[0], cur[1], phase, _label(cur[2])))
+                cur = [s, e, [tensor]]
+        if cur is not None:
+            spans.append((cur[0], cur[1], phase, _label(cur[2])))
+    spans.sort()
+    busy = sum(e - s for s, e in merge_intervals(everything))
+    return spans[-max_spans:] if max_spans else spans, busy
+
+
+
+def _label(tensors: List[str]) -> str:
+    uniq = list(dict.fromkeys(tensors))
+    return uniq[0] if len(uniq) == 1 else f"{uniq[0]} +{len(uniq) - 1}"
+
+
+class SpanTrack:
+    """Spans of every rank, with the gaps between collectives turned into COMPUTE spans.
+
+    ``add(rank, spans)`` returns the new rows to draw (collective spans and compute gaps
+    since this rank's previous collective); the last ``keep`` spans per rank are kept for
+    the Chrome trace. A gap shorter than ``min_gap_us`` is not drawn.
+    """
+
+    def __init__(self, keep: int = 20000, min_gap_us: float = 100.0) -> None:
+        self.keep = keep
+        self.min_gap_us = min_gap_us
+        self.spans: Dict[int, Deque[Span]] = {}
+        self.last_end: Dict[int, float] = {}
+        self.counts: Dict[int, int] = {}
+
+    def start(self, rank: int, t_us: float) -> None:
+        """The cell began on ``rank`` at ``t_us``: compute is measured from there."""
+        self.last_end.setdefault(rank, t_us)
+
+    def skip_to(self, rank: int, t_us: float) -> None:
+        """Spans before ``t_us`` were dropped (too many to send): no compute gap up to it."""
+        self.last_end[rank] = max(self.last_end.get(rank, t_us), t_us)
+
+    def add(self, rank: int, spans: Sequence[Span]) -> List[Span]:
+        rows: List[Span] = []
+        store = self.spans.setdefault(rank, deque(maxlen=self.keep))
+        last = self.last_end.get(rank)
+        for s, e, phase, label in sorted(spans):
+            if last is not None and s - last >= self.min_gap_us:
+                rows.append((last, s, COMPUTE, "compute"))
+            rows.append((s, e, phase, label))
+            last = e if last is None else max(last, e)
+        if last is not None:
+            self.last_end[rank] = last
+        store.extend(rows)
+        self.counts[rank] = self.counts.get(rank, 0) + len(rows)
+        return rows
+
+    def all_spans(self) -> Dict[int, List[Span]]:
+        return {r: list(s) for r, s in sorted(self.spans.items())}
+
+
+def chrome_trace(spans: Mapping[int, Sequence[Span]]) -> List[Dict[str, Any]]:
+    """Chrome trace events (Perfetto, chrome://tracing): one process per rank, one thread
+    row for collectives and one for compute."""
+    out: List[Dict[str, Any]] = []
+    for rank in sorted(spans):
+        out.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
+        out.append({"name": "process_sort_index", "ph": "M", "pid": rank,
+                    "args": {"sort_index": rank}})
+        out.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": 1,
+                    "args": {"name": "collectives"}})
+        out.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": 2,
+                    "args": {"name": "compute"}})
+        for s, e, phase, label in spans[rank]:
+            out.append({"name": phase, "ph": "X", "ts": round(s, 3), "dur": round(e - s, 3),
+                        "pid": rank, "tid": 2 if phase == COMPUTE else 1, "cat": phase_group(phase),
+                        "args": {"tensors": label}})
+    return out
+
+
+# ---------------------------------------------------------------------------- throughput
+
+class Throughput:
+    """Samples/s of one rank from its cumulative ``hvd_magic.report(samples=n)`` counts.
+
+    ``add(t, cumulative)`` takes the time of the latest report and the samples counted so
+    far. ``rate()`` is over the last ``window`` seconds of reports; ``average()`` over the
+    whole run (from the first report to the last, the first report's samples excluded).
+    """
+
+    def __init__(self, window: float = 3.0) -> None:
+        self.window = window
+        self.points: Deque[Tuple[float, float]] = deque()
+        self.first: Optional[Tuple[float, float]] = None
+        self.last: Optional[Tuple[float, float]] = None
+
+    def add(self, t: float, cumulative: float) -> None:
+        if self.last is not None and t <= self.last[0]:
+            return
+        if self.first is None:
+            self.first = (t, cumulative)
+        self.last = (t, cumulative)
+        self.points.append((t, cumulative))
+        while len(self.points) > 2 and self.points[0][0] < t - self.window:
+            self.points.popleft()
+
+    def rate(self) -> Optional[float]:
+        if len(self.points) < 2:
+            return None
+        (t0, c0), (t1, c1) = self.points[0], self.points[-1]
+        return (c1 - c0) / (t1 - t0) if t1 > t0 else None
+
+    def average(self) -> Optional[float]:
+        if self.first is None or self.last is None or self.last[0] <= self.first[0]:
+            return None
+        return (self.last[1] - self.first[1]) / (self.last[0] - self.first[0])
+
+
+def efficiency(total_rate: Optional[float], n_ranks: int, single_rate: Optional[float]) -> Optional[float]:
+    """Scaling efficiency: total samples/s over ``n_ranks`` times the 1-rank samples/s."""
+    if not total_rate or not single_rate or n_ranks < 1 or single_rate <= 0:
+        return None
+    return total_rate / (n_ranks * single_rate)
+
+
+def comm_fraction(busy_us: float, wall_us: float) -> Optional[float]:
+    """Share of the wall time with a collective in flight (0..1)."""
+    if wall_us <= 0:
+        return None
+    return max(0.0, min(1.0, busy_us / wall_us))
+
+
+def fmt_rate(x: Optional[float]) -> str:
+    if x is None:
+        return "-"
+    if x >= 1e6:
+        return f"{x / 1e6:.2f} M"
+    if x >= 1e4:
+        return f"{x / 1e3:.1f} k"
+    return f"{x:.1f}" if x < 100 else f"{x:.0f}"
+
+
+def fmt_pct(x: Optional[float]) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+# ---------------------------------------------------------------------------- one cell
+
+@dataclass
+class RankState:
+    status: str = STARTING
+    why: str = ""                      # failure / stall text
+    pending: List[Dict[str, Any]] = field(default_factory=list)
+    busy_us: float = 0.0               # collective time since the cell began (union)
+    t0: Optional[float] = None         # cell start on this rank (s, wall clock)
+    t_last: Optional[float] = None     # time of the latest batch
+    seq: int = -1
+    busy_window: Deque[Tuple[float, float]] = field(default_factory=deque)   # (t, busy_us total)
+
+
+class CellState:
+    """What one ``%%hvd`` cell's widget shows, fed by :meth:`ingest` with telemetry batches
+    (dicts, see :mod:`.telemetry`) and by :meth:`stream` with output. Pure: the renderers
+    read it; tests drive it directly.
+    """
+
+    def __init__(self, ranks: Sequence[int], single_rate: Optional[float] = None,
+                 max_lines: int = 200, stall_after_s: float = 60.0, window: float = 3.0) -> None:
+        self.ranks = list(ranks)
+        self.logs: Dict[int, LogBuffer] = {r: LogBuffer(max_lines) for r in self.ranks}
+        self.rank: Dict[int, RankState] = {r: RankState() for r in self.ranks}
+        self.tput: Dict[int, Throughput] = {r: Throughput(window) for r in self.ranks}
+        self.track = SpanTrack()
+        self.single_rate = single_rate
+        self.stall_after_s = stall_after_s
+        self.window = window
+        self.notes: List[str] = []         # pool status lines ("starting 2 ranks ...")
+        self.stall_lines: List[str] = []   # stall warnings the runtime printed
+        self.failures: Dict[int, str] = {}
+        self.finished = False
+        self.t_start = time.time()
+
+    # -- inputs
+    def stream(self, rank: int, name: str, text: str) -> None:
+        if rank not in self.logs:
+            self._add_rank(rank)
+        self.logs[rank].add(name, text)
+        if name == "stderr" and "WARNING: stall" in text:
+            self.stall_lines = [ln.strip() for ln in text.splitlines()
+                                if "waited" in ln or "WARNING: stall" in ln][:8]
+
+    def _add_rank(self, rank: int) -> None:
+        self.ranks.append(rank)
+        self.ranks.sort()
+        self.logs[rank] = LogBuffer(next(iter(self.logs.values())).max_lines if self.logs else 200)
+        self.rank[rank] = RankState()
+        self.tput[rank] = Throughput(self.window)
+
+    def ingest(self, batch: Mapping[str, Any]) -> List[Tuple[int, Span]]:
+        """One telemetry batch from a rank; returns the new timeline rows ``(rank, span)``."""
+        r = int(batch["rank"])
+        if r not in self.rank:
+            self._add_rank(r)
+        st = self.rank[r]
+        seq = int(batch.get("seq", 0))
+        if seq <= st.seq:
+            return []
+        st.seq = seq
+        now = float(batch.get("t", time.time()))
+        if st.t0 is None and batch.get("t0") is not None:
+            st.t0 = float(batch["t0"])
+            self.track.start(r, st.t0 * 1e6)
+        st.t_last = now
+        st.busy_us += float(batch.get("busy_us", 0.0))
+        st.busy_window.append((now, st.busy_us))
+        while len(st.busy_window) > 2 and st.busy_window[0][0] < now - self.window:
+            st.busy_window.popleft()
+        if batch.get("samples_t") is not None:
+            self.tput[r].add(float(batch["samples_t"]), float(batch.get("samples", 0)))
+        st.pending = list(batch.get("pending") or [])
+        status = batch.get("status")
+        if status == FAILED:
+            st.status, st.why = FAILED, str(batch.get("error") or "")
+            self.failures[r] = st.why
+        elif status == DONE:
+            st.status, st.why = DONE, ""
+        elif status:
+            oldest = max((p.get("waiting_s") or 0.0 for p in st.pending), default=0.0)
+            if oldest >= self.stall_after_s:
+                st.status = STALLED
+            elif oldest >= 0.5:
+                st.status = WAITING
+            else:
+                st.status = RUNNING
+        if batch.get("cut_us") is not None:
+            self.track.skip_to(r, float(batch["cut_us"]))
+        rows = self.track.add(r, [tuple(s) for s in batch.get("spans") or []])
+        return [(r, s) for s in rows]
+
+    def fail(self, rank: int, why: str) -> None:
+        """A failure the pool knows of (an exception, a rank that died)."""
+        if rank not in self.rank:
+            self._add_rank(rank)
+        self.rank[rank].status, self.rank[rank].why = FAILED, why
+        self.failures[rank] = why
+
+    def finish(self) -> None:
+        self.finished = True
+        for log in self.logs.values():
+            log.flush()
+        for r, st in self.rank.items():
+            if st.status not in (FAILED, DONE):
+                st.status = DONE if st.seq >= 0 or r not in self.failures else FAILED
+
+    # -- outputs
+    def rates(self) -> Dict[int, Optional[float]]:
+        """Per-rank samples/s: the recent window while running, the whole run once finished."""
+        return {r: (t.average() if self.finished else t.rate()) for r, t in self.tput.items()}
+
+    def total_rate(self) -> Optional[float]:
+        vals = [v for v in self.rates().values() if v is not None]
+        return sum(vals) if vals else None
+
+    def efficiency(self) -> Optional[float]:
+        return efficiency(self.total_rate(), len(self.ranks), self.single_rate)
+
+    def comm(self) -> Dict[int, Optional[float]]:
+        """Per rank: share of time with a collective in flight (recent window, or whole cell)."""
+        out: Dict[int, Optional[float]] = {}
+        for r, st in self.rank.items():
+            if self.finished and st.t0 is not None and st.t_last is not None:
+                out[r] = comm_fraction(st.busy_us, (st.t_last - st.t0) * 1e6)
+            elif len(st.busy_window) >= 2:
+                (t0, b0), (t1, b1) = st.busy_window[0], st.busy_window[-1]
+                out[r] = comm_fraction(b1 - b0, (t1 - t0) * 1e6)
+            elif st.t0 is not None and st.t_last is not None:
+                out[r] = comm_fraction(st.busy_us, (st.t_last - st.t0) * 1e6)
+            else:
+                out[r] = None
+        return out
+
+    def comm_mean(self) -> Optional[float]:
+        vals = [v for v in self.comm().values() if v is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    def banner(self) -> Tuple[str, str]:
+        """(level, text): ``("error", ...)`` for failures, ``("warning", ...)`` for stalls,
+        ``("", "")`` when all is well."""
+        if self.failures:
+            parts = [f"rank {r} failed: {why}" for r, why in sorted(self.failures.items())]
+            return "error", "; ".join(parts)
+        stalls = []
+        seen = set()
+        for r in self.ranks:
+            st = self.rank[r]
+            if st.status != STALLED:
+                continue
+            for p in st.pending:
+                if p.get("name") in seen or (p.get("waiting_s") or 0) < self.stall_after_s:
+                    continue
+                seen.add(p.get("name"))
+                stalls.append(describe_pending(p, st.t_last))
+        if not stalls and self.stall_lines and not self.finished:
+            stalls = self.stall_lines
+        if stalls:
+            return "warning", "stall: " + "; ".join(stalls)
+        return "", ""
+
+    def summary_text(self) -> str:
+        """The same information as the widgets, as text (terminal IPython, nbconvert)."""
+        rates = self.rates()
+        comm = self.comm()
+        lines = []
+        statuses = ", ".join(f"rank {r} {STATUS_TEXT[self.rank[r].status]}" for r in self.ranks)
+        lines.append(f"hvd: {statuses}")
+        if any(v is not None for v in rates.values()):
+            per = ", ".join(f"rank {r} {fmt_rate(rates[r])}" for r in self.ranks)
+            lines.append(f"hvd: throughput {fmt_rate(self.total_rate())} samples/s in total ({per})")
+            eff = self.efficiency()
+            if eff is not None:
+                lines.append(f"hvd: scaling efficiency {fmt_pct(eff)} of {len(self.ranks)} x "
+                             f"{fmt_rate(self.single_rate)} samples/s (1 rank)")
+            else:
+                lines.append("hvd: scaling efficiency: no 1-rank baseline yet (run the cell "
+                             "with -np 1, or %hvd scale)")
+        if any(v is not None for v in comm.values()):
+            per = ", ".join(f"rank {r} {fmt_pct(comm[r])}" for r in self.ranks)
+            lines.append(f"hvd: collectives in flight {fmt_pct(self.comm_mean())} of the time ({per})")
+        n = sum(self.track.counts.values())
+        if n:
+            lines.append(f"hvd: timeline: {n} spans; hvd_magic.widgets.save_trace('trace.json') "
+                         "writes them for Perfetto")
+        level, text = self.banner()
+        if level:
+            lines.append(f"hvd: {'ERROR' if level == 'error' else 'WARNING'}: {text}")
+        return "\n".join(lines)
+
+
+def describe_pending(p: Mapping[str, Any], now: Optional[float] = None) -> str:
+    """``"allreduce of 'grad.w' waits for rank(s) 1 (submitted by 0) since 12:01:02 (15.0 s)"``."""
+    waited = float(p.get("waiting_s") or 0.0)
+    since = ""
+    if now is not None:
+        since = " since " + time.strftime("%H:%M:%S", time.localtime(now - waited))
+    missing = p.get("missing_ranks")
+    who = ("the other ranks" if not missing else
+           "rank(s) " + ", ".join(map(str, missing)))
+    by = p.get("submitted_by") or []
+    return (f"{p.get('kind', 'collective')} of tensor '{p.get('name')}' waits for {who}"
+            f"{' (submitted by ' + ', '.join(map(str, by)) + ')' if by else ''}"
+            f"{since} ({waited:.1f} s)")
+
+
+# ---------------------------------------------------------------------------- snapshot
+
+def timeline_svg(spans: Mapping[int, Sequence[Span]], width: int = 900, row: int = 22,
+                 max_spans: int = 250) -> str:
+    """A small static SVG of the last ``max_spans`` spans per rank (saved notebooks)."""
+    ranks = sorted(spans)
+    keep = {r: list(spans[r])[-max_spans:] for r in ranks}
+    allsp = [s for r in ranks for s in keep[r]]
+    if not allsp:
+        return ""
+    t0 = min(s[0] for s in allsp)
+    t1 = max(s[1] for s in allsp)
+    scale = (width - 60) / max(t1 - t0, 1.0)
+    h = row * len(ranks) + 20
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{h}" '
+           'style="font:11px sans-serif">']
+    for i, r in enumerate(ranks):
+        y = 4 + i * row
+        out.append(f'<text x="0" y="{y + row * 0.6:.0f}">rank {r}</text>')
+        for s, e, phase, label in keep[r]:
+            grp = phase_group(phase)
+            x = 55 + (s - t0) * scale
+            w = max((e - s) * scale, 0.5)
+            hh = row * (0.35 if phase == COMPUTE else 0.8)
+            yy = y + (row - hh) / 2
+            out.append(f'<rect x="{x:.1f}" y="{yy:.1f}" width="{w:.1f}" height="{hh:.1f}" '
+                       f'fill="{GROUP_COLOR[grp]}"><title>{html.escape(phase)} '
+                       f'{html.escape(label)} {(e - s) / 1e3:.3f} ms</title></rect>')
+    out.append(f'<text x="55" y="{h - 3}">{(t1 - t0) / 1e6:.3f} s shown</text></svg>')
+    return "".join(out)
+
+
+def badge_html(rank: int, status: str, why: str = "") -> str:
+    color = STATUS_COLOR.get(status, "#888")
+    title = html.escape(why, quote=True)
+    return (f'<span class="hvdm-badge hvdm-{status}" data-rank="{rank}" title="{title}" '
+            f'style="display:inline-block;padding:1px 8px;margin-right:6px;border-radius:9px;'
+            f'color:white;background:{color};font-size:12px">rank {rank}: '
+            f'{html.escape(STATUS_TEXT.get(status, status))}</span>')
+
+
+def metrics_html(cell: CellState) -> str:
+    rates = cell.rates()
+    comm = cell.comm()
+    eff = cell.efficiency()
+    base = (f"{fmt_pct(eff)} <span style='color:#888'>(vs 1 rank: {fmt_rate(cell.single_rate)}"
+            " samples/s)</span>" if eff is not None else
+            "<span style='color:#888'>no 1-rank baseline (run with -np 1 or %hvd scale)</span>")
+    rows = "".join(f"<td style='padding:0 10px'>rank {r}: {fmt_rate(rates[r])} samples/s, "
+                   f"comm {fmt_pct(comm[r])}</td>" for r in cell.ranks)
+    return ("<div class='hvdm-metrics' style='font-size:13px'>"
+            f"<b>throughput</b> <span class='hvdm-total'>{fmt_rate(cell.total_rate())}</span> "
+            f"samples/s &nbsp; <b>scaling efficiency</b> <span class='hvdm-eff'>{base}</span> "
+            f"&nbsp; <b>communication</b> <span class='hvdm-comm'>{fmt_pct(cell.comm_mean())}"
+            "</span> of step time<table><tr>" + rows + "</tr></table></div>")
+
+
+def banner_html(cell: CellState) -> str:
+    level, text = cell.banner()
+    if not level:
+        return ""
+    bg = "#fdecea" if level == "error" else "#fff4e5"
+    fg = "#b71c1c" if level == "error" else "#8a4b00"
+    return (f"<div class='hvdm-banner hvdm-{level}' style='background:{bg};color:{fg};"
+            f"padding:4px 8px;border-radius:4px'>{html.escape(text)}</div>")
+
+
+def snapshot_html(cell: CellState, spans: Optional[Mapping[int, Sequence[Span]]] = None) -> str:
+    """The whole panel as static HTML (kept in the saved notebook; no kernel, no JavaScript)."""
+    badges = "".join(badge_html(r, cell.rank[r].status, cell.rank[r].why) for r in cell.ranks)
+    lanes = "".join(
+        f"<div><b>rank {r}</b><pre style='max-height:220px;overflow:auto;margin:2px 0;"
+        f"background:#f7f7f7;padding:4px'>{cell.logs[r].html()}</pre></div>" for r in cell.ranks)
+    svg = timeline_svg(spans if spans is not None else cell.track.all_spans())
+    return ("<details class='hvdm-snapshot'><summary>hvd: static copy of this cell's panel "
+            "(what a saved notebook shows without a kernel)</summary>"
+            f"{banner_html(cell)}<div>{badges}</div>{metrics_html(cell)}{lanes}{svg}</details>")
+
+
+def dumps_trace(spans: Mapping[int, Sequence[Span]]) -> str:
+    return json.dumps(chrome_trace(spans), separators=(",", ":"))

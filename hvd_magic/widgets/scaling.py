@@ -1,0 +1,123 @@
+"""``%hvd scale --np 1,2,4``: run one cell at several pool sizes and plot throughput and
+scaling efficiency against ranks, with the ideal (linear) line.
+
+Pure: :func:`parse_np_list`, :func:`scale_rows`, :func:`scale_text`. Doing:
+:func:`run_scaling` (needs a :class:`hvd_magic.kernel.PoolManager`), :func:`plot_scaling`
+(bokeh), :func:`show_scaling` (widget or text).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from .model import fmt_pct, fmt_rate
+
+
+@dataclass
+class ScalePoint:
+    """One pool size's measurement: total samples/s, per rank, communication share."""
+
+    np: int
+    total: Optional[float]
+    per_rank: Dict[int, Optional[float]] = field(default_factory=dict)
+    comm: Optional[float] = None
+    wall_s: float = 0.0
+
+
+def parse_np_list(text: str) -> List[int]:
+    """``"1,2,4"`` -> ``[1, 2, 4]`` (sorted, unique; ValueError says what to write)."""
+    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    if not items or not all(t.isdigit() and int(t) > 0 for t in items):
+        raise ValueError(f"--np {text!r}: give pool sizes separated by commas, e.g. --np 1,2,4")
+    return sorted({int(t) for t in items})
+
+
+def scale_rows(points: Sequence[ScalePoint]) -> List[Dict[str, Any]]:
+    """One row per size: ``np, total, ideal, speedup, efficiency, comm``. The baseline is
+    the 1-rank point's throughput (else the smallest size's, per rank)."""
+    pts = sorted(points, key=lambda p: p.np)
+    base = None
+    for p in pts:
+        if p.total:
+            base = p.total / p.np
+            break
+    rows = []
+    for p in pts:
+        ideal = base * p.np if base else None
+        rows.append({"np": p.np, "total": p.total, "ideal": ideal,
+                     "speedup": (p.total / base) if (base and p.total) else None,
+                     "efficiency": (p.total / ideal) if (ideal and p.total) else None,
+                     "comm": p.comm})
+    return rows
+
+
+def scale_text(points: Sequence[ScalePoint]) -> str:
+    lines = [f"{'ranks':>5}  {'samples/s':>10}  {'ideal':>10}  {'speedup':>7}  {'efficiency':>10}  comm",]
+    for r in scale_rows(points):
+        sp = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+        lines.append(f"{r['np']:>5}  {fmt_rate(r['total']):>10}  {fmt_rate(r['ideal']):>10}  "
+                     f"{sp:>7}  {fmt_pct(r['efficiency']):>10}  {fmt_pct(r['comm'])}")
+    return "\n".join(lines)
+
+
+def plot_scaling(points: Sequence[ScalePoint]) -> Any:
+    """A bokeh layout: throughput vs ranks (with the ideal line) and efficiency vs ranks."""
+    from bokeh.layouts import row
+    from bokeh.models import ColumnDataSource, HoverTool
+    from bokeh.plotting import figure
+    rows = scale_rows(points)
+    src = ColumnDataSource({k: [r[k] if r[k] is not None else float("nan") for r in rows]
+                            for k in ("np", "total", "ideal", "efficiency", "comm")})
+    f1 = figure(height=260, width=380, title="throughput", x_axis_label="ranks",
+                y_axis_label="samples/s", tools="pan,wheel_zoom,reset,save")
+    f1.line("np", "ideal", source=src, line_dash="dashed", color="#888", legend_label="ideal")
+    f1.line("np", "total", source=src, color="#1f77b4", legend_label="measured")
+    f1.scatter("np", "total", source=src, size=8, color="#1f77b4")
+    f1.legend.location = "top_left"
+    f2 = figure(height=260, width=380, title="scaling efficiency", x_axis_label="ranks",
+                y_axis_label="efficiency", y_range=(0, 1.1), tools="pan,wheel_zoom,reset,save")
+    f2.line("np", "efficiency", source=src, color="#2ca02c", legend_label="efficiency")
+    f2.scatter("np", "efficiency", source=src, size=8, color="#2ca02c")
+    f2.line("np", "comm", source=src, color="#d62728", line_dash="dotted",
+            legend_label="communication share")
+    f2.legend.location = "bottom_left"
+    for f in (f1, f2):
+        f.add_tools(HoverTool(tooltips=[("ranks", "@np"), ("samples/s", "@total{0.0}"),
+                                        ("efficiency", "@efficiency{0%}")]))
+        f.xaxis.ticker = [r["np"] for r in rows]
+    return row(f1, f2)
+
+
+def run_scaling(manager: Any, code: str, nps: Sequence[int],
+                progress: Optional[Callable[[str], None]] = None) -> List[ScalePoint]:
+    """Run ``code`` on pools of each size in ``nps`` (restarting the pool as needed) with
+    telemetry on; returns the measured points. Needs ``hvd_magic.report(samples=n)`` in the
+    cell. The 1-rank throughput becomes the baseline of later cells with the same code."""
+    from . import sink as S
+    points: List[ScalePoint] = []
+    for n in nps:
+        pool = manager.ensure(n, None, None, None)
+        snk = S.TelemetryTextSink(ranks=list(range(n)), stream_output=False)
+        snk.status = lambda _t: None            # type: ignore[method-assign]
+        S.run_cell(pool, code, snk)
+        cell = snk.cell
+        points.append(ScalePoint(n, cell.total_rate(), cell.rates(), cell.comm_mean(),
+                                 float(S.LAST.get("wall_s", 0.0))))
+        if progress:
+            progress(f"hvd scale: {n} rank(s): {fmt_rate(cell.total_rate())} samples/s")
+    rows = scale_rows(points)
+    if rows and rows[0]["np"] == 1 and rows[0]["total"]:
+        S.BASELINES[S.workload_key(code)] = rows[0]["total"]
+    return points
+
+
+def show_scaling(points: Sequence[ScalePoint]) -> None:
+    """Display the plot (Jupyter with bokeh) and the table."""
+    from .sink import widgets_available
+    print(scale_text(points))
+    if widgets_available():
+        from IPython.display import display
+        from jupyter_bokeh import BokehModel
+        from .sink import _load_bokeh
+        _load_bokeh()
+        display(BokehModel(plot_scaling(points)))

@@ -1,0 +1,597 @@
+"""Client side: the sinks a ``%%hvd`` cell renders to, and the feed of engine telemetry.
+
+* :func:`make_sink` picks :class:`WidgetSink` (ipywidgets + bokeh, in a Jupyter kernel) or
+  :class:`TelemetryTextSink` (terminal IPython, no ipywidgets): both implement
+  :class:`hvd_magic.kernel.output.OutputSink`.
+* :func:`run_cell` wraps ``Pool.run_cell``: turns telemetry on in the ranks (once per pool),
+  starts a :class:`CellFeed` thread that reads the cell's ``data_message`` batches from the
+  ipyparallel client's metadata and hands them to the sink, and shows failures in the sink.
+
+UI updates happen on the feed thread (at most every ``refresh`` s) under the sink's lock;
+the kernel's main thread (the pool's output pump) only appends to buffers.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+from ..kernel.output import PoolCellError, TextSink
+from .model import (GROUP_COLOR, STATUS_TEXT, CellState, badge_html, banner_html, dumps_trace,
+                    metrics_html, phase_group, snapshot_html)
+
+WIDGETS_HINT = ("hvd: live widgets need ipywidgets, bokeh and jupyter_bokeh: "
+                "`pip install ipywidgets bokeh jupyter_bokeh` (showing text instead)")
+
+#: samples/s of 1-rank runs, by workload key (hash of the cell's code); see set_baseline.
+BASELINES: Dict[str, float] = {}
+#: The last cell's state (for save_trace / tests).
+LAST: Dict[str, Any] = {}
+
+
+def workload_key(code: str) -> str:
+    return hashlib.sha1(code.strip().encode()).hexdigest()[:16]
+
+
+def set_baseline(samples_per_s: float, code: Optional[str] = None) -> None:
+    """Set the 1-rank samples/s that scaling efficiency compares against (for the cell with
+    ``code``; with no code, for every cell that has no baseline of its own)."""
+    BASELINES[workload_key(code) if code is not None else "*"] = float(samples_per_s)
+
+
+def baseline_for(code: str) -> Optional[float]:
+    return BASELINES.get(workload_key(code), BASELINES.get("*"))
+
+
+def save_trace(path: Optional[str] = None, cell: Optional[CellState] = None) -> str:
+    """Write the last cell's timeline (or ``cell``'s) as Chrome-trace JSON for Perfetto
+    (https://ui.perfetto.dev) or chrome://tracing; returns the path."""
+    cell = cell or LAST.get("cell")
+    if cell is None:
+        raise RuntimeError("no %%hvd cell with the widgets has run yet")
+    path = path or time.strftime("hvd-timeline-%Y%m%d-%H%M%S.json")
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(dumps_trace(cell.track.all_spans()))
+    return os.path.abspath(path)
+
+
+# ---------------------------------------------------------------------------- choosing
+
+def widgets_available() -> bool:
+    """True in a Jupyter kernel (comms) with ipywidgets, bokeh and jupyter_bokeh importable."""
+    if os.environ.get("HVD_MAGIC_WIDGETS", "1").lower() in ("0", "off", "false", "no"):
+        return False
+    try:
+        from IPython import get_ipython
+        ip = get_ipython()
+        if ip is None or type(ip).__name__ != "ZMQInteractiveShell":
+            return False
+    except ImportError:
+        return False
+    try:
+        import bokeh  # noqa: F401
+        import ipywidgets  # noqa: F401
+        import jupyter_bokeh  # noqa: F401
+    except ImportError:
+        if not LAST.get("hinted"):
+            LAST["hinted"] = True
+            sys.stderr.write(WIDGETS_HINT + "\n")
+        return False
+    return True
+
+
+def make_sink(stream: bool = True, ranks: Optional[Sequence[int]] = None, **kw: Any) -> Any:
+    """The renderer of one ``%%hvd`` cell: ``HvdMagics.sink_factory``.
+
+    ``stream=False`` (``--no-stream``) gives the plain :class:`TextSink` with no telemetry
+    at all (the baseline of benchmarks/widgets.py).
+    """
+    if not stream:
+        return TextSink(stream_output=False)
+    if widgets_available():
+        return WidgetSink(ranks=ranks, **kw)
+    return TelemetryTextSink(ranks=ranks)
+
+
+# ---------------------------------------------------------------------------- transport
+
+class CellFeed(threading.Thread):
+    """Reads telemetry batches of one cell from the ipyparallel client and feeds the sink.
+
+    ipyparallel's IO thread merges each ``data_message`` into ``client.metadata[msg_id]
+    ["data"]``; the cell's msg_ids are those added to ``client.history`` after ``mark``.
+    """
+
+    def __init__(self, client: Any, mark: int, sink: Any, period: float = 0.1) -> None:
+        super().__init__(name="hvdm-feed", daemon=True)
+        self.client, self.mark, self.sink, self.period = client, mark, sink, period
+        self.seen: set = set()
+        self.stopping = threading.Event()
+        self.batches = 0
+
+    def drain(self) -> int:
+        """Hand new batches to the sink now (any thread); returns how many."""
+        new: List[Mapping[str, Any]] = []
+        try:
+            ids = list(self.client.history[self.mark:])
+        except Exception:  # noqa: BLE001 - client closed
+            return 0
+        for mid in ids:
+            md = self.client.metadata.get(mid)
+            data = md.get("data") if md is not None else None
+            if not data:
+                continue
+            for key in [k for k in list(data) if k.startswith("hvdm.") and k not in self.seen]:
+                self.seen.add(key)
+                new.append(data[key])
+        new.sort(key=lambda b: (b.get("rank", 0), b.get("seq", 0)))
+        if new:
+            self.batches += len(new)
+            self.sink.ingest(new)
+        return len(new)
+
+    def run(self) -> None:
+        while not self.stopping.wait(self.period):
+            try:
+                self.drain()
+                self.sink.tick()
+            except Exception as exc:  # noqa: BLE001 - never kill the cell for the UI
+                LAST["feed_error"] = repr(exc)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(2.0)
+
+
+def _enable_telemetry(pool: Any, interval: float) -> None:
+    if getattr(pool, "_hvdm_telemetry", None) == interval:
+        return
+    from . import telemetry
+    pool.client[:].apply_sync(telemetry.enable, interval)
+    pool._hvdm_telemetry = interval
+
+
+def run_cell(pool: Any, code: str, sink: Any, ranks: Optional[Sequence[int]] = None,
+             timeout: Optional[float] = None, interval: float = 0.25, _run: Any = None) -> Any:
+    """``pool.run_cell`` with live telemetry for sinks that want it (``sink.live``).
+
+    The one call the ``%%hvd`` magic makes instead of ``pool.run_cell``; for other sinks it
+    is exactly ``pool.run_cell``.
+    """
+    run = _run or pool.run_cell
+    if not getattr(sink, "live", False) or getattr(sink, "feed", None) is not None:
+        return run(code, sink, ranks=ranks, timeout=timeout)
+    _enable_telemetry(pool, interval)
+    targets = pool.targets(ranks)
+    sink.begin(targets, baseline_for(code), pool.size)
+    feed = CellFeed(pool.client, len(pool.client.history), sink)
+    sink.feed = feed
+    feed.start()
+    t0 = time.time()
+    try:
+        outcome = run(code, sink, ranks=ranks, timeout=timeout)
+    except PoolCellError as exc:
+        feed.stop()
+        sink.failed(exc)
+        raise
+    except BaseException:
+        feed.stop()
+        sink.finalize()
+        raise
+    feed.stop()
+    sink.finalize()
+    cell = sink.cell
+    if cell is not None and len(targets) == 1 and pool.size == 1:
+        rate = cell.total_rate()
+        if rate:
+            BASELINES[workload_key(code)] = rate
+    LAST["wall_s"] = time.time() - t0
+    return outcome
+
+
+def install(magics: Any = None) -> Any:
+    """Bridge until the magic calls :func:`run_cell` itself: make the loaded ``%%hvd`` magic
+    (``%load_ext hvd_magic`` first) render with :func:`make_sink` and run its pools' cells
+    through :func:`run_cell`. Idempotent; returns the magics object."""
+    import functools
+    if magics is None:
+        from .. import magics as _m
+        magics = _m._LOADED
+        if magics is None:
+            raise RuntimeError("run %load_ext hvd_magic first")
+    type(magics).sink_factory = make_sink       # the magic reads it through the class
+    manager = magics.manager
+
+    def wrap(pool: Any) -> Any:
+        if pool is not None and not getattr(pool, "_hvdm_wrapped", False):
+            orig = pool.run_cell
+
+            def run_cell_live(code: str, sink: Any, ranks: Any = None, timeout: Any = None) -> Any:
+                return run_cell(pool, code, sink, ranks=ranks, timeout=timeout, _run=orig)
+            pool.run_cell = run_cell_live
+            pool._hvdm_wrapped = True
+        return pool
+
+    if not getattr(manager, "_hvdm_wrapped", False):
+        ensure = manager.ensure
+
+        @functools.wraps(ensure)
+        def ensure_live(*a: Any, **kw: Any) -> Any:
+            return wrap(ensure(*a, **kw))
+        manager.ensure = ensure_live
+        manager._hvdm_wrapped = True
+    wrap(manager.pool)
+    return magics
+
+
+# ---------------------------------------------------------------------------- text
+
+class TelemetryTextSink(TextSink):
+    """Terminal / no-ipywidgets renderer: ``[rank] line`` output as :class:`TextSink`, stall
+    and failure lines as they happen, and a summary (throughput, efficiency, communication
+    share, timeline size) when the cell ends."""
+
+    live = True
+
+    def __init__(self, ranks: Optional[Sequence[int]] = None, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.cell: Optional[CellState] = CellState(list(ranks or []))
+        self.lock = threading.RLock()
+        self.feed: Optional[CellFeed] = None
+        self._said = ""
+
+    def begin(self, ranks: Sequence[int], baseline: Optional[float], size: int) -> None:
+        self.cell = CellState(ranks, baseline)
+        LAST["cell"] = self.cell
+
+    def ingest(self, batches: Sequence[Mapping[str, Any]]) -> None:
+        with self.lock:
+            for b in batches:
+                if self.cell.stall_after_s != b.get("stall_s", self.cell.stall_after_s):
+                    self.cell.stall_after_s = float(b["stall_s"])
+                self.cell.ingest(b)
+
+    def tick(self) -> None:
+        level, text = self.cell.banner()
+        if level == "warning" and text != self._said:
+            self._said = text
+            self.status(f"hvd: {text}")
+
+    def failed(self, exc: PoolCellError) -> None:
+        for f in exc.failures:
+            self.cell.fail(f.rank, f.summary())
+        self.finalize()
+
+    def finalize(self) -> None:
+        if self.feed is not None:
+            self.feed.drain()
+        with self.lock:
+            self.cell.finish()
+            text = self.cell.summary_text()
+        self.status(text)
+
+
+# ---------------------------------------------------------------------------- widgets
+
+_BOKEH_LOADED = False
+
+_CSS = """<style>
+.hvdm-lane pre{max-height:240px;overflow:auto;margin:0;padding:4px;background:#f7f7f7;
+font-size:12px;line-height:1.3}
+.hvdm-lane-head{font-weight:bold;font-size:12px}
+</style>"""
+
+
+def _load_bokeh() -> None:
+    """BokehJS inline, once per kernel (no CDN here; see /work/shared/FACTS.md). The loader
+    output (about 8 MB) gets a display id so :func:`_drop_bokeh_loader` can empty it once the
+    browser has run it: a saved notebook then does not carry BokehJS."""
+    global _BOKEH_LOADED
+    if _BOKEH_LOADED:
+        return
+    import uuid
+    from bokeh.io import notebook as bnb
+    from bokeh.io import output_notebook
+    from bokeh.resources import INLINE
+    did = "hvdm-bokehjs-" + uuid.uuid4().hex[:8]
+    orig = bnb.publish_display_data
+
+    def publish(data: Any, metadata: Any = None, **kw: Any) -> None:
+        kw["transient"] = dict(kw.get("transient") or {}, display_id=did)
+        orig(data, metadata, **kw)
+    bnb.publish_display_data = publish
+    try:
+        output_notebook(INLINE, hide_banner=True)
+    finally:
+        bnb.publish_display_data = orig
+    _BOKEH_LOADED = True
+    LAST["bokeh_loader"] = did
+
+
+def _drop_bokeh_loader() -> None:
+    did = LAST.pop("bokeh_loader", None)
+    if did and os.environ.get("HVD_MAGIC_KEEP_BOKEHJS", "") in ("", "0"):
+        from IPython.display import update_display
+        update_display({"text/plain": ""}, raw=True, display_id=did)
+
+
+class WidgetSink:
+    """The live panel of one ``%%hvd`` cell: status badges, stall/failure banner, throughput
+    and scaling efficiency, a log lane per rank (with a filter), and a bokeh timeline with
+    one row per rank; a static HTML snapshot is emitted when the cell ends."""
+
+    live = True
+
+    def __init__(self, ranks: Optional[Sequence[int]] = None, max_lines: int = 200,
+                 refresh: float = 0.25, rollover: int = 3000) -> None:
+        import ipywidgets as W
+        from IPython.display import display
+        self.W = W
+        self.lock = threading.RLock()
+        self.refresh = refresh
+        self.rollover = rollover
+        self.max_lines = max_lines
+        self.cell: Optional[CellState] = CellState(list(ranks or []), max_lines=max_lines)
+        self.feed: Optional[CellFeed] = None
+        self._pending_rows: List[Any] = []
+        self._drawn: Dict[Any, Any] = {}
+        self._last = 0.0
+        self._t0_us: Optional[float] = None
+        self._closed = False
+        self.status_w = W.HTML("", layout=W.Layout(margin="0"))
+        self.banner_w = W.HTML("")
+        self.badges_w = W.HTML("")
+        self.metrics_w = W.HTML(metrics_html(self.cell))
+        # The filter is a Tab (all ranks | rank 0 | ...): switching happens in the browser,
+        # so it works while the kernel is busy running the cell (a Dropdown's observer would
+        # only run after the cell). Each lane is shown twice: in "all ranks" and in its tab.
+        self.lanes_box = W.Tab([])
+        self.lanes: Dict[int, Any] = {}
+        self.save_w = W.Button(description="Save Chrome trace", icon="download",
+                               tooltip="write the timeline as Chrome-trace JSON for Perfetto "
+                               "(runs once the cell has finished)",
+                               layout=W.Layout(width="auto"))
+        self.save_w.on_click(self._on_save)
+        self.saved_w = W.HTML("")
+        self.plot = None
+        self.source = None
+        self.plot_w: Any = W.HTML("")
+        try:
+            self._make_plot()
+        except Exception as exc:  # noqa: BLE001 - panel still works without a plot
+            self.plot_w = W.HTML(f"<i>timeline unavailable: {exc}</i>")
+        self.box = W.VBox([W.HTML(_CSS), self.status_w, self.banner_w, self.badges_w,
+                           self.metrics_w, self.lanes_box, self.plot_w,
+                           W.HBox([self.save_w, self.saved_w])])
+        self.box.add_class("hvdm-panel")
+        display(self.box)
+        self.snapshot = display({"text/plain": ""}, raw=True, display_id=True)
+        self._set_ranks(self.cell.ranks)
+
+    # -- plot
+    def _make_plot(self) -> None:
+        _load_bokeh()
+        from bokeh.models import ColumnDataSource, HoverTool
+        from bokeh.plotting import figure
+        from jupyter_bokeh import BokehModel
+        self.source = ColumnDataSource(dict(left=[], right=[], bottom=[], top=[], rank=[],
+                                            phase=[], group=[], color=[], label=[], ms=[]))
+        p = figure(height=230, sizing_mode="stretch_width",
+                   tools="xpan,xwheel_zoom,box_zoom,reset,save",
+                   active_drag="xpan", active_scroll="xwheel_zoom",
+                   x_axis_label="seconds since the cell started", toolbar_location="above")
+        p.quad(left="left", right="right", bottom="bottom", top="top", color="color",
+               legend_field="group", source=self.source, line_color=None)
+        p.add_tools(HoverTool(tooltips=[("rank", "@rank"), ("phase", "@phase"),
+                                        ("tensors", "@label"), ("ms", "@ms{0.000}")]))
+        p.x_range.follow = "end"
+        p.x_range.follow_interval = 10.0
+        p.x_range.range_padding = 0.0
+        p.yaxis.axis_label = "rank"
+        p.ygrid.grid_line_color = None
+        p.legend.orientation = "horizontal"
+        p.legend.label_text_font_size = "9pt"
+        p.add_layout(p.legend[0], "above")          # outside the rows
+        self.plot = p
+        self.plot_w = BokehModel(p)
+
+    # -- OutputSink protocol (kernel main thread)
+    def status(self, text: str) -> None:
+        with self.lock:
+            self.cell.notes.append(text.rstrip())
+            self.status_w.value = f"<span style='color:#666;font-size:12px'>{_esc(text)}</span>"
+
+    def stream(self, rank: int, name: str, text: str) -> None:
+        with self.lock:
+            self.cell.stream(rank, name, text)
+        if rank not in self.lanes:
+            self._set_ranks(self.cell.ranks)
+        self._maybe_render()
+
+    def display(self, rank: int, data: Mapping[str, Any], metadata: Mapping[str, Any]) -> None:
+        if set(data) <= {"text/plain"}:
+            self.stream(rank, "stdout", str(data.get("text/plain", "")) + "\n")
+            return
+        from IPython.display import display
+        with self.lock:
+            out = self.lanes[rank][2] if rank in self.lanes else None
+        if out is None:
+            display(dict(data), metadata=dict(metadata), raw=True)
+        else:
+            out.append_display_data(_Raw(data, metadata))
+
+    def result(self, rank: int, data: Mapping[str, Any]) -> None:
+        self.stream(rank, "stdout", f"Out: {data.get('text/plain', '')}\n")
+        self.render()
+
+    def close(self) -> None:
+        with self.lock:
+            for log in self.cell.logs.values():
+                log.flush()
+        if self.feed is None:        # used without run_cell: no telemetry, finish here
+            self.finalize()
+        else:
+            self.render()
+
+    # -- telemetry (feed thread)
+    def begin(self, ranks: Sequence[int], baseline: Optional[float], size: int) -> None:
+        with self.lock:
+            old = self.cell
+            self.cell = CellState(ranks, baseline, max_lines=self.max_lines)
+            self.cell.notes = old.notes
+            LAST["cell"] = self.cell
+            LAST["sink"] = self
+        self._set_ranks(ranks)
+        self.render()
+
+    def ingest(self, batches: Sequence[Mapping[str, Any]]) -> None:
+        with self.lock:
+            for b in batches:
+                self.cell.stall_after_s = float(b.get("stall_s", self.cell.stall_after_s))
+                if self._t0_us is None and b.get("t0"):
+                    self._t0_us = float(b["t0"]) * 1e6
+                self._pending_rows.extend(self.cell.ingest(b))
+
+    def tick(self) -> None:
+        self._maybe_render()
+
+    def _maybe_render(self) -> None:
+        if time.monotonic() - self._last >= self.refresh:
+            self.render()
+
+    def render(self) -> None:
+        """Push what changed to the browser (any thread)."""
+        with self.lock:
+            self._last = time.monotonic()
+            cell = self.cell
+            self._set_html(self.badges_w, "".join(
+                badge_html(r, cell.rank[r].status, cell.rank[r].why) for r in cell.ranks))
+            self._set_html(self.banner_w, banner_html(cell))
+            self._set_html(self.metrics_w, metrics_html(cell))
+            for r, (head, body, _out) in self.lanes.items():
+                log = cell.logs.get(r)
+                if log is None:
+                    continue
+                st = cell.rank[r]
+                self._set_html(head, f"<span class='hvdm-lane-head'>rank {r} &middot; "
+                                     f"<span style='color:{_color(st.status)}'>"
+                                     f"{STATUS_TEXT[st.status]}</span></span>")
+                if self._drawn.get(("log", r)) != log.version:
+                    self._drawn[("log", r)] = log.version
+                    body.value = (f"<pre class='hvdm-log' data-rank='{r}'>{log.html()}</pre>")
+            rows, self._pending_rows = self._pending_rows, []
+        if rows and self.source is not None:
+            self._stream_rows(rows)
+
+    def _set_html(self, w: Any, value: str) -> None:
+        if w.value != value:
+            w.value = value
+
+    def _stream_rows(self, rows: List[Any]) -> None:
+        t0 = self._t0_us or min(s[0] for _r, s in rows)
+        new: Dict[str, List[Any]] = {k: [] for k in ("left", "right", "bottom", "top", "rank",
+                                                    "phase", "group", "color", "label", "ms")}
+        for r, (s, e, phase, label) in rows[-self.rollover:]:
+            grp = phase_group(phase)
+            h = 0.15 if phase == "COMPUTE" else 0.4
+            new["left"].append((s - t0) / 1e6)
+            new["right"].append((e - t0) / 1e6)
+            new["bottom"].append(r - h)
+            new["top"].append(r + h)
+            new["rank"].append(r)
+            new["phase"].append(phase)
+            new["group"].append(grp)
+            new["color"].append(GROUP_COLOR[grp])
+            new["label"].append(label)
+            new["ms"].append((e - s) / 1e3)
+        self.source.stream(new, rollover=self.rollover)
+
+    def _set_ranks(self, ranks: Sequence[int]) -> None:
+        W = self.W
+        with self.lock:
+            changed = False
+            for r in ranks:
+                if r not in self.lanes:
+                    head = W.HTML(f"<span class='hvdm-lane-head'>rank {r}</span>")
+                    body = W.HTML("<pre class='hvdm-log'></pre>")
+                    out = W.Output()
+                    self.lanes[r] = (head, body, out)
+                    changed = True
+            if not changed:
+                return
+            boxes = []
+            for r in sorted(self.lanes):
+                head, body, out = self.lanes[r]
+                lane = W.VBox([head, body, out], layout=W.Layout(
+                    border="1px solid #ddd", padding="2px", margin="2px 0"))
+                lane.add_class("hvdm-lane")
+                lane.add_class(f"hvdm-lane-{r}")
+                boxes.append(lane)
+            everything = W.VBox(boxes)
+            self.lanes_box.children = [everything] + boxes
+            self.lanes_box.titles = ["all ranks"] + [f"rank {r}" for r in sorted(self.lanes)]
+            if self.plot is not None:
+                from bokeh.models import FixedTicker
+                n = max(len(self.lanes), 1)
+                self.plot.height = 150 + 40 * n   # toolbar and legend sit above the rows
+                self.plot.yaxis.ticker = FixedTicker(ticks=sorted(self.lanes))
+                self.plot.y_range.start = min(self.lanes) - 0.6
+                self.plot.y_range.end = max(self.lanes) + 0.6
+
+    def _on_save(self, _b: Any = None) -> None:
+        try:
+            path = save_trace(cell=self.cell)
+            self.saved_w.value = (f"<span style='font-size:12px'>saved {_esc(path)} &mdash; open "
+                                  "it in <a href='https://ui.perfetto.dev' target='_blank'>"
+                                  "ui.perfetto.dev</a></span>")
+        except Exception as exc:  # noqa: BLE001
+            self.saved_w.value = f"<span style='color:#c00'>{_esc(str(exc))}</span>"
+
+    # -- end of the cell
+    def failed(self, exc: PoolCellError) -> None:
+        with self.lock:
+            for f in exc.failures:
+                self.cell.fail(f.rank, f.summary())
+        self.finalize()
+
+    def finalize(self) -> None:
+        if self.feed is not None:
+            self.feed.drain()
+        with self.lock:
+            self.cell.finish()
+        self.render()
+        with self.lock:
+            snap = snapshot_html(self.cell)
+            text = self.cell.summary_text()
+        self.snapshot.update({"text/html": snap, "text/plain": text}, raw=True)
+        _drop_bokeh_loader()
+
+
+class _Raw(dict):
+    """A MIME bundle for Output.append_display_data (which takes display()-able objects)."""
+
+    def __init__(self, data: Mapping[str, Any], metadata: Mapping[str, Any]) -> None:
+        super().__init__()
+        self.data, self.metadata = dict(data), dict(metadata)
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> Any:
+        return self.data, self.metadata
+
+
+def _esc(text: str) -> str:
+    import html
+    return html.escape(text)
+
+
+def _color(status: str) -> str:
+    from .model import STATUS_COLOR
+    return STATUS_COLOR.get(status, "#888")
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj)

@@ -1,0 +1,111 @@
+"""The widgets in a real browser: JupyterLab + headless chromium (playwright), a notebook
+that loads the extension and trains on 2 ranks with %%hvd. Screenshots go to artifacts/."""
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "browser"))
+import lab  # noqa: E402
+
+ARTIFACTS = HERE.parent / "artifacts"
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(lab.missing() is not None, reason=str(lab.missing()))]
+
+# Read the timeline from the page: bokeh documents -> the ColumnDataSource with a "rank"
+# column -> number of spans per rank (compute and collective).
+SPANS_JS = """() => {
+  const out = {};
+  if (!window.Bokeh || !window.Bokeh.documents) return out;
+  for (const doc of window.Bokeh.documents) {
+    for (const m of doc.all_models) {
+      if (m.type !== 'ColumnDataSource' && !(m.data && m.data.get)) continue;
+      const d = m.data; const get = (k) => d.get ? d.get(k) : d[k];
+      const ranks = get('rank'), phases = get('phase'), right = get('right');
+      if (!ranks || !phases) continue;
+      for (let i = 0; i < ranks.length; i++) {
+        out['end' + ranks[i]] = Math.max(out['end' + ranks[i]] || 0, right[i]);
+        const key = ranks[i] + ':' + (phases[i] === 'COMPUTE' ? 'compute' : 'collective');
+        out[key] = (out[key] || 0) + 1;
+      }
+    }
+  }
+  return out;
+}"""
+
+
+def lane_text(page, rank):
+    loc = page.locator(f"pre.hvdm-log[data-rank='{rank}']")
+    return loc.first.inner_text() if loc.count() else ""
+
+
+def test_live_panel_in_jupyterlab(tmp_path):
+    ARTIFACTS.mkdir(exist_ok=True)
+    root = tmp_path / "nb"
+    root.mkdir()
+    shutil.copy(HERE / "browser" / "live.ipynb", root / "live.ipynb")
+    with lab.jupyter_lab(root, ARTIFACTS / "jupyterlab.log") as base, \
+            lab.browser(tmp_path / "profile") as ctx:
+        page = ctx.new_page()
+        errors = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        lab.open_notebook(page, base, "live.ipynb")
+        lab.run_all(page)
+        t0 = time.time()
+        # while the training cell runs: both lanes stream, the timeline has both ranks
+        live = None
+        while time.time() - t0 < 60:
+            spans = page.evaluate(SPANS_JS)
+            l0, l1 = lane_text(page, 0), lane_text(page, 1)
+            running = page.locator(".jp-InputPrompt:has-text('[*]')").count() > 0
+            if running and "loss" in l0 and "loss" in l1 and \
+                    spans.get("0:collective", 0) > 5 and spans.get("1:collective", 0) > 5 and \
+                    spans.get("0:compute", 0) > 5:
+                live = (time.time() - t0, spans)
+                break
+            time.sleep(0.5)
+        page.screenshot(path=str(ARTIFACTS / "widgets-live.png"), full_page=True)
+        assert live is not None, f"no live spans/logs for both ranks; spans={spans} " \
+                                 f"lanes={l0[-200:]!r} / {l1[-200:]!r} errors={errors}"
+        spans_then = live[1]
+        badges = page.locator(".hvdm-badge").all_inner_texts()
+        assert any("rank 0: running" in b for b in badges), badges
+        # the timeline keeps growing while the cell runs (updates at least twice a second)
+        time.sleep(1.0)
+        spans_later = page.evaluate(SPANS_JS)
+        assert spans_later["end0"] > spans_then["end0"] + 0.3, (spans_then, spans_later)
+        assert spans_later["end1"] > spans_then["end1"] + 0.3, (spans_then, spans_later)
+        # efficiency readout has numbers
+        metrics = page.locator(".hvdm-metrics").first.inner_text()
+        assert re.search(r"communication\s+\d+%", metrics), metrics
+        assert re.search(r"throughput\s+[\d.]+\s*k?", metrics), metrics
+        # the filter shows one rank
+        # the filter (tabs, switched in the browser while the kernel is busy) shows one rank
+        page.locator(".hvdm-panel .lm-TabBar-tab:has-text('rank 1')").first.click()
+        time.sleep(0.3)
+        visible = lambda sel: sum(1 for e in page.locator(sel).all() if e.is_visible())  # noqa: E731
+        assert visible(".hvdm-lane-0") == 0 and visible(".hvdm-lane-1") == 1
+        page.screenshot(path=str(ARTIFACTS / "widgets-filter.png"), full_page=True)
+        page.locator(".hvdm-panel .lm-TabBar-tab:has-text('all ranks')").first.click()
+        time.sleep(0.3)
+        assert visible(".hvdm-lane-0") == 1 and visible(".hvdm-lane-1") == 1
+        # end of the cell: done badges, snapshot, final numbers
+        try:
+            page.locator(".hvdm-panel .hvdm-badge:has-text('rank 1: done')").first.wait_for(
+                timeout=40000)
+        finally:
+            page.screenshot(path=str(ARTIFACTS / "widgets-done.png"), full_page=True)
+        page.locator("details.hvdm-snapshot").first.wait_for(state="attached", timeout=10000)
+        assert "finished" in lane_text(page, 0) and "finished" in lane_text(page, 1)
+        assert "stderr" in page.locator("pre.hvdm-log[data-rank='0']").first.inner_html()
+        final = page.locator(".hvdm-metrics").first.inner_text()
+        assert re.search(r"communication\s+\d+%", final), final
+        page.screenshot(path=str(ARTIFACTS / "widgets-done.png"), full_page=True)
+        assert not [e for e in errors if "bokeh" in e.lower()], errors

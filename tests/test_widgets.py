@@ -1,0 +1,275 @@
+"""The widgets' pure parts (no UI, no MPI) and one real 2-rank run through the text sink."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from hvd_magic.widgets import model as M
+from hvd_magic.widgets.scaling import ScalePoint, parse_np_list, scale_rows, scale_text
+
+
+# ---------------------------------------------------------------- logs
+
+def test_log_lines_split_streams_and_partial():
+    b = M.LogBuffer(max_lines=10)
+    b.add("stdout", "a\nb")
+    b.add("stderr", "oops\n")
+    b.add("stdout", "c\n")
+    assert b.view() == [("stdout", "a"), ("stderr", "oops"), ("stdout", "bc")]
+    assert 'class="hvdm-stderr"' in b.html() and "oops" in b.html()
+
+
+def test_log_rollover_keeps_last_n_with_marker():
+    b = M.LogBuffer(max_lines=3)
+    b.add("stdout", "".join(f"line {i}\n" for i in range(10)))
+    assert [t for _, t in b.view()] == ["line 7", "line 8", "line 9"]
+    assert b.dropped == 7 and b.marker() == "\u2026 7 earlier lines"
+    assert "7 earlier lines" in b.html() and "7 earlier lines" in b.text(0)
+
+
+def test_log_carriage_return_and_long_lines_and_flush():
+    b = M.LogBuffer(max_lines=5, max_line=10)
+    b.add("stdout", "10%\r50%\r100%\n")
+    b.add("stdout", "x" * 25 + "\n")
+    b.add("stderr", "tail")
+    b.flush()
+    v = b.view()
+    assert v[0] == ("stdout", "100%")
+    assert v[1][1].startswith("x" * 10) and "15 more characters" in v[1][1]
+    assert v[2] == ("stderr", "tail")
+
+
+def test_log_version_changes_only_on_change():
+    b = M.LogBuffer()
+    v0 = b.version
+    b.add("stdout", "")
+    assert b.version == v0
+    b.add("stdout", "x")
+    assert b.version > v0
+
+
+# ---------------------------------------------------------------- spans
+
+def ev(phase, start, dur, tensor="t", rank=0):
+    return (rank, tensor, phase, start, dur, None)
+
+
+def test_compact_merges_overlapping_same_phase_and_measures_busy():
+    events = [ev("NEGOTIATE", 0, 10, "a"), ev("NEGOTIATE", 5, 10, "b"), ev("QUEUE", 15, 5, "a"),
+              ev("MPI_ALLREDUCE", 20, 10, "a"), ev("CYCLE_START", 1, None), ev("X", 100, None)]
+    spans, busy = M.compact_events(events)
+    assert spans == [(0.0, 15.0, "NEGOTIATE", "a +1"), (15.0, 20.0, "QUEUE", "a"),
+                     (20.0, 30.0, "MPI_ALLREDUCE", "a")]
+    assert busy == 30.0
+
+
+def test_compact_caps_spans_but_not_busy():
+    events = [ev("MPI_ALLREDUCE", i * 10, 5) for i in range(100)]
+    spans, busy = M.compact_events(events, max_spans=10)
+    assert len(spans) == 10 and spans[-1][0] == 990.0
+    assert busy == 500.0
+
+
+def test_span_track_fills_compute_gaps_across_batches():
+    tr = M.SpanTrack(min_gap_us=1.0)
+    tr.start(0, 0.0)
+    rows = tr.add(0, [(100.0, 150.0, "NEGOTIATE", "a"), (150.0, 160.0, "MPI_ALLREDUCE", "a")])
+    assert rows[0] == (0.0, 100.0, "COMPUTE", "compute")
+    assert [r[2] for r in rows] == ["COMPUTE", "NEGOTIATE", "MPI_ALLREDUCE"]
+    rows = tr.add(0, [(400.0, 410.0, "NEGOTIATE", "b")])
+    assert rows[0] == (160.0, 400.0, "COMPUTE", "compute")
+    tr.add(1, [(5.0, 6.0, "QUEUE", "x")])          # no start: no leading compute
+    assert tr.all_spans()[1] == [(5.0, 6.0, "QUEUE", "x")]
+
+
+def test_cut_batches_do_not_invent_compute():
+    c = M.CellState([0])
+    c.ingest(batch(0, 1, 1.0, spans=[(1e5, 2e5, "NEGOTIATE", "a")]))
+    rows = c.ingest(batch(0, 2, 2.0, spans=[(9e5, 9.5e5, "NEGOTIATE", "b")], cut_us=9e5))
+    assert [r[1][2] for r in rows] == ["NEGOTIATE"]
+
+
+def test_merge_intervals():
+    assert M.merge_intervals([(5, 6), (0, 2), (1, 3), (3, 4)]) == [(0, 4), (5, 6)]
+
+
+def test_chrome_trace_is_valid_and_per_rank():
+    spans = {0: [(0.0, 10.0, "COMPUTE", "compute"), (10.0, 12.0, "MPI_ALLREDUCE", "g")],
+             1: [(1.0, 2.0, "NEGOTIATE", "g")]}
+    trace = json.loads(M.dumps_trace(spans))
+    names = {(e["pid"], e["args"]["name"]) for e in trace if e["name"] == "process_name"}
+    assert names == {(0, "rank 0"), (1, "rank 1")}
+    xs = [e for e in trace if e["ph"] == "X"]
+    assert len(xs) == 3 and {e["tid"] for e in xs if e["pid"] == 0} == {1, 2}
+
+
+# ---------------------------------------------------------------- throughput
+
+def test_throughput_window_and_average():
+    tp = M.Throughput(window=2.0)
+    assert tp.rate() is None and tp.average() is None
+    for i in range(11):                    # 100 samples every 0.5 s, then twice as fast
+        tp.add(i * 0.5, i * 100.0)
+    for j in range(1, 5):
+        tp.add(5.0 + j * 0.5, 1000.0 + j * 200.0)
+    assert tp.rate() == pytest.approx(400.0)
+    assert tp.average() == pytest.approx(1800.0 / 7.0)
+    tp.add(1.0, 0)                          # out of order: ignored
+    assert tp.last[0] == 7.0
+
+
+def test_efficiency_and_comm_fraction():
+    assert M.efficiency(180.0, 2, 100.0) == pytest.approx(0.9)
+    assert M.efficiency(None, 2, 100.0) is None and M.efficiency(10.0, 2, None) is None
+    assert M.comm_fraction(25.0, 100.0) == 0.25 and M.comm_fraction(5.0, 0.0) is None
+    assert M.comm_fraction(200.0, 100.0) == 1.0
+
+
+def batch(rank, seq, t, samples=None, status="running", spans=(), busy=0.0, pending=(), **kw):
+    b = {"rank": rank, "seq": seq, "t": t, "t0": 0.0, "status": status, "samples": samples or 0,
+         "samples_t": t if samples is not None else None, "spans": list(spans), "busy_us": busy,
+         "pending": list(pending)}
+    b.update(kw)
+    return b
+
+
+def test_cell_state_throughput_efficiency_comm_and_summary():
+    c = M.CellState([0, 1], single_rate=100.0, window=10.0)
+    for i in range(1, 5):
+        for r in (0, 1):
+            c.ingest(batch(r, i, float(i), samples=90 * i, busy=0.25e6))
+    assert c.rates()[0] == pytest.approx(90.0)
+    assert c.total_rate() == pytest.approx(180.0)
+    assert c.efficiency() == pytest.approx(0.9)
+    assert c.comm()[0] == pytest.approx(0.25)
+    assert c.ingest(batch(0, 2, 9.0, samples=1)) == []    # old seq: ignored
+    c.ingest(batch(0, 5, 5.0, samples=450, status="done", busy=0.25e6))
+    c.ingest(batch(1, 5, 5.0, samples=450, status="done", busy=0.25e6))
+    c.finish()
+    text = c.summary_text()
+    assert "rank 0 done, rank 1 done" in text and "180 samples/s" in text
+    assert "scaling efficiency 90%" in text and "collectives in flight 25%" in text
+    assert "hvdm-eff" in M.metrics_html(c) and "90%" in M.metrics_html(c)
+
+
+def test_cell_state_status_waiting_stalled_banner():
+    c = M.CellState([0, 1], stall_after_s=5.0)
+    c.ingest(batch(0, 1, 100.0))
+    assert c.rank[0].status == M.RUNNING and c.rank[1].status == M.STARTING
+    p = {"name": "grad.w", "kind": "allreduce", "submitted_by": [0], "missing_ranks": [1],
+         "waiting_s": 1.0}
+    c.ingest(batch(0, 2, 101.0, pending=[p]))
+    assert c.rank[0].status == M.WAITING and c.banner() == ("", "")
+    c.ingest(batch(0, 3, 106.0, pending=[dict(p, waiting_s=6.0)]))
+    assert c.rank[0].status == M.STALLED
+    level, text = c.banner()
+    assert level == "warning" and "'grad.w' waits for rank(s) 1" in text
+    assert "submitted by 0" in text and "since" in text and "(6.0 s)" in text
+    c.ingest(batch(1, 1, 107.0, status="failed", error="ValueError: boom"))
+    assert c.banner() == ("error", "rank 1 failed: ValueError: boom")
+    assert "rank 1: failed" in M.badge_html(1, c.rank[1].status)
+
+
+def test_cell_state_stall_from_runtime_stderr_and_failures():
+    c = M.CellState([0, 1])
+    c.stream(0, "stderr", "[hvd_magic rank 0] WARNING: stall: one or more tensors ...\n"
+                          "  allreduce of tensor 'x' has waited 61.0 s: submitted by rank(s) 0, "
+                          "not yet by rank(s) 1\n")
+    level, text = c.banner()
+    assert level == "warning" and "tensor 'x' has waited 61.0 s" in text
+    c.fail(1, "rank 1 died: killed by signal 9")
+    assert c.banner()[0] == "error" and "killed by signal 9" in c.banner()[1]
+    c.finish()
+    assert c.rank[1].status == M.FAILED and c.rank[0].status == M.DONE
+
+
+def test_cell_state_new_rank_and_snapshot():
+    c = M.CellState([0])
+    c.stream(3, "stdout", "hello\n")
+    assert c.ranks == [0, 3]
+    c.ingest(batch(3, 1, 1.0, spans=[(0.2e6, 0.3e6, "MPI_ALLREDUCE", "g")]))
+    html = M.snapshot_html(c)
+    assert "hello" in html and "<svg" in html and "rank 3" in html and "<script" not in html
+
+
+def test_describe_pending_without_missing():
+    s = M.describe_pending({"name": "t", "kind": "broadcast", "submitted_by": [1],
+                            "missing_ranks": None, "waiting_s": 2.0})
+    assert s.startswith("broadcast of tensor 't' waits for the other ranks (submitted by 1)")
+
+
+# ---------------------------------------------------------------- scaling
+
+def test_scaling_rows_and_text():
+    assert parse_np_list("4, 1,2,2") == [1, 2, 4]
+    with pytest.raises(ValueError, match="e.g. --np 1,2,4"):
+        parse_np_list("1,x")
+    rows = scale_rows([ScalePoint(2, 180.0), ScalePoint(1, 100.0), ScalePoint(4, 300.0, comm=0.3)])
+    assert [r["np"] for r in rows] == [1, 2, 4]
+    assert rows[1]["ideal"] == 200.0 and rows[1]["efficiency"] == pytest.approx(0.9)
+    assert rows[2]["speedup"] == pytest.approx(3.0) and rows[2]["efficiency"] == pytest.approx(0.75)
+    text = scale_text([ScalePoint(1, 100.0), ScalePoint(2, 180.0)])
+    assert "1.80x" in text and "90%" in text
+    no_one = scale_rows([ScalePoint(2, 200.0), ScalePoint(4, 360.0)])   # baseline per rank of 2
+    assert no_one[1]["efficiency"] == pytest.approx(0.9)
+
+
+def test_scaling_plot_builds():
+    pytest.importorskip("bokeh")
+    from hvd_magic.widgets.scaling import plot_scaling
+    layout = plot_scaling([ScalePoint(1, 100.0), ScalePoint(2, 150.0)])
+    assert len(layout.children) == 2
+
+
+def test_report_counts_samples():
+    from hvd_magic.widgets import telemetry
+    before = telemetry._samples
+    telemetry.report(samples=7)
+    assert telemetry._samples == before + 7 and telemetry._samples_t is not None
+
+
+# ---------------------------------------------------------------- a real 2-rank cell
+
+needs_pool = pytest.mark.skipif(shutil.which("mpiexec", path=os.path.dirname(
+    os.path.realpath(__file__)) + "/../.venv/bin:" + os.environ.get("PATH", "")) is None,
+    reason="no mpiexec")
+
+
+@pytest.mark.slow
+@needs_pool
+def test_two_rank_cell_telemetry_through_text_sink(capsys):
+    pytest.importorskip("ipyparallel")
+    from hvd_magic.kernel import PoolManager
+    from hvd_magic.widgets import sink as S
+    manager = PoolManager()
+    try:
+        pool = manager.ensure(2, None, None, None)
+        code = ("import numpy as np, time\nimport hvd_magic.collectives as hvd\n"
+                "from hvd_magic.widgets import report\nx = np.ones(256, np.float32)\n"
+                "for i in range(120):\n    time.sleep(0.005)\n    hvd.allreduce(x, name='g')\n"
+                "    report(samples=8)\nprint('rank', hvd.rank(), 'done')\n")
+        snk = S.TelemetryTextSink(ranks=[0, 1])
+        S.run_cell(pool, code, snk)
+        cell = snk.cell
+        assert snk.feed.batches >= 4
+        spans = cell.track.all_spans()
+        assert set(spans) == {0, 1}
+        for r in (0, 1):
+            phases = {s[2] for s in spans[r]}
+            assert {"NEGOTIATE", "COMPUTE"} <= phases
+            assert cell.rank[r].status == M.DONE
+            assert cell.rates()[r] and 300 < cell.rates()[r] < 2000
+        err = capsys.readouterr().err
+        assert "hvd: throughput" in err and "collectives in flight" in err
+        # a failing cell: the rank and the reason
+        snk = S.TelemetryTextSink(ranks=[0, 1])
+        with pytest.raises(Exception):
+            S.run_cell(pool, "import hvd_magic.collectives as hvd\n"
+                             "if hvd.rank() == 1: raise ValueError('boom on 1')\n", snk)
+        assert snk.cell.rank[1].status == M.FAILED and "boom on 1" in snk.cell.rank[1].why
+        assert snk.cell.rank[0].status == M.DONE
+    finally:
+        manager.stop()
