@@ -372,8 +372,18 @@ def test_run_env_reaches_ranks():
     assert got == [("2097152", "x")] * 2
 
 
-def test_demo_runs():
-    proc = subprocess.run([sys.executable, "-m", "hvd_magic.demo"], capture_output=True, text=True,
-                          timeout=120, cwd=Path(__file__).parent.parent)
+def test_demo_script_runs():
+    proc = subprocess.run([sys.executable, "-m", "hvd_magic.demo_script"], capture_output=True,
+                          text=True, timeout=120, cwd=Path(__file__).parent.parent)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "same weights: True" in proc.stdout and "[1.0, 1.0]" in proc.stdout
+
+
+def test_make_demo_prints_the_quickstart_notebooks_results():
+    """What `make demo` runs: the quickstart notebook at 2 ranks, its outputs printed."""
+    proc = subprocess.run([sys.executable, "-m", "hvd_magic.demo"], capture_output=True, text=True,
+                          timeout=300, cwd=Path(__file__).parent.parent)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "[0] rank 0 of 2 -> [0.5 0.5 0.5 0.5]" in out and "[1] rank 1 of 2" in out
+    assert "[1] step 199 loss" in out and "hvd: pool stopped" in out

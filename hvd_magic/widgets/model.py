@@ -476,6 +476,17 @@ class CellState:
             return "warning", "stall: " + "; ".join(stalls)
         return "", ""
 
+    def logs_text(self, last: int = 50) -> str:
+        """Each rank's kept output as rank-prefixed lines (the last ``last`` per rank)."""
+        blocks = []
+        for r in sorted(self.logs):
+            lines = self.logs[r].text(r).splitlines()
+            if len(lines) > last:
+                lines = [f"[{r}] … {len(lines) - last} more lines above"] + lines[-last:]
+            if lines:
+                blocks.append("\n".join(lines))
+        return "\n".join(blocks)
+
     def summary_text(self) -> str:
         """The same information as the widgets, as text (terminal IPython, nbconvert)."""
         rates = self.rates()

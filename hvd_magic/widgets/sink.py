@@ -567,7 +567,8 @@ class WidgetSink:
         self.render()
         with self.lock:
             snap = snapshot_html(self.cell)
-            text = self.cell.summary_text()
+            logs = self.cell.logs_text()
+            text = (logs + "\n" if logs else "") + self.cell.summary_text()
         self.snapshot.update({"text/html": snap, "text/plain": text}, raw=True)
         _drop_bokeh_loader()
 
