@@ -115,3 +115,46 @@ def test_cuda_allreduce_single_rank(one_rank):
     torch.cuda.set_device(hvd.local_rank())
     t = torch.ones(3, device="cuda")
     assert torch.equal(hvd.allreduce(t, op=hvd.Sum).cpu(), torch.ones(3) * hvd.size())
+
+
+def test_bucket_partition():
+    """Gradient buckets: reverse registration order, per dtype, sizes from HVD_MAGIC_BUCKET_BYTES."""
+    from hvd_magic.torch.buckets import bucket_caps, make_buckets
+    assert bucket_caps("") == (1 << 20, 4 << 20)
+    assert bucket_caps("0") == (0, 0) and bucket_caps("100,0") == (0, 0)
+    assert bucket_caps("4096") == (4096, 4096) and bucket_caps("10,20") == (10, 20)
+    with pytest.raises(ValueError, match="HVD_MAGIC_BUCKET_BYTES"):
+        bucket_caps("lots")
+    # 64 Linear layers of width 96 (benchmarks/torch_training.py's mlp): 128 tensors, 2 buckets
+    layers = [torch.nn.Linear(3072, 96)] + [torch.nn.Linear(96, 96) for _ in range(62)] + [torch.nn.Linear(96, 10)]
+    mlp = torch.nn.Sequential(*layers)
+    params = list(mlp.parameters())
+    names = {id(p): n for n, p in mlp.named_parameters()}
+    bs = make_buckets(params, names, None, bucket_caps(""))
+    assert len(bs) == 2
+    assert sorted(id(p) for b in bs for p in b.params) == sorted(map(id, params))
+    assert bs[0].params[0] is params[-1]                         # last layer first
+    assert 1 << 20 <= bs[0].nbytes < (1 << 20) + 40000
+    assert bs[0].name.startswith("grad.bucket0[") and bs[0].name.endswith("..63.bias]")
+    assert bs[1].name == "grad.bucket1[0.weight.." + bs[1].name.split("..")[1]
+    assert bs[0].flat.numel() == sum(p.numel() for p in bs[0].params)
+    v = bs[0].views[params[-2]]
+    assert v.shape == params[-2].shape and v.data_ptr() >= bs[0].flat.data_ptr()
+    # off: one per parameter, named after it
+    off = make_buckets(params, names, None, (0, 0))
+    assert len(off) == 128 and all(b.flat is None for b in off) and off[0].name == "63.bias"
+    # a parameter larger than the cap: alone, no flat buffer
+    big = make_buckets(params, names, None, (1000, 1000))
+    assert any(len(b.params) == 1 and b.params[0] is params[0] and b.flat is None for b in big)
+    # dtypes never share a bucket; groups (int / lists) are buckets
+    a, b, c = (torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3, dtype=torch.float64)),
+               torch.nn.Parameter(torch.zeros(3)))
+    nm = {id(a): "a", id(b): "b", id(c): "c"}
+    mixed = make_buckets([a, b, c], nm, None, bucket_caps(""))
+    assert sorted(len(x.params) for x in mixed) == [1, 2]
+    grouped = make_buckets([a, b, c], nm, [[a, c]], bucket_caps(""))
+    assert [id(x) for x in grouped[0].params] == [id(a), id(c)] and grouped[0].name == "grad.group0[a..c]"
+    assert [[id(y) for y in x.params] for x in grouped[1:]] == [[id(b)]]
+    assert len(make_buckets(params, names, 4, bucket_caps(""))) == 4
+    with pytest.raises(ValueError, match="more than one"):
+        make_buckets([a, b, c], nm, [[a], [a, c]], bucket_caps(""))

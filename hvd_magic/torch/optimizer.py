@@ -7,13 +7,16 @@ waits for all of them and then runs the wrapped optimizer's step. Every rank's
 
     rank 0: p.grad = [1., 2.]   rank 1: p.grad = [3., 4.]
     after optimizer.synchronize() (or inside step()): p.grad = [2., 3.] on both ranks
+
+Gradients are bucketed (see :mod:`hvd_magic.torch.buckets`, ``HVD_MAGIC_BUCKET_BYTES``):
+the runtime sees one flat request per bucket of about 1-4 MiB, not one per parameter.
 """
 from __future__ import annotations
 
 import contextlib
 import warnings
 import weakref
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
@@ -21,6 +24,7 @@ import hvd_magic.collectives as C
 from hvd_magic.collectives import Adasum, Average, Sum
 from hvd_magic.collectives.ops import to_op
 
+from .buckets import Bucket, bucket_caps, grad_views_enabled, make_buckets
 from .compression import Compression, Compressor
 
 
@@ -29,10 +33,9 @@ class _DistributedOptimizer:
 
     # set by _setup
     _hvd_names: dict
-    _hvd_bucket_of: dict          # param -> tuple of params reduced together
-    _hvd_delay: dict              # param -> local passes left before its allreduce
-    _hvd_inflight: dict           # param -> (handle or None, compressed tensor, ctx)
-    _hvd_submitted: set           # ids of buckets already submitted this step
+    _hvd_buckets: list            # Bucket objects, in creation order
+    _hvd_bucket_of: dict          # param -> its Bucket
+    _hvd_delay: dict              # param -> local passes left before its gradient is final
 
     def _hvd_setup(self, named_parameters: Optional[Iterable], compression: type[Compressor],
                    backward_passes_per_step: int, op: Any, gradient_predivide_factor: float,
@@ -86,11 +89,13 @@ class _DistributedOptimizer:
         self._hvd_postscale = factor if op == Average else 1.0
         self._hvd_sparse_as_dense = bool(sparse_as_dense)
         self._hvd_requires = [p for p in all_params if p.requires_grad]
-        self._hvd_bucket_of = _buckets(self._hvd_requires, groups)
+        self._hvd_views = grad_views_enabled()
+        self._hvd_buckets = make_buckets(self._hvd_requires, names, groups,
+                                         bucket_caps() if C.size() > 1 else (0, 0))
+        self._hvd_bucket_of = {p: b for b in self._hvd_buckets for p in b.params}
+        if C.size() > 1:
+            _check_same_layout(self._hvd_buckets)
         self._hvd_delay = {p: backward_passes_per_step for p in self._hvd_requires}
-        self._hvd_inflight = {}
-        self._hvd_submitted = set()
-        self._hvd_ready: dict = {}
         self._hvd_should_sync = True
         self._hvd_synchronized = False
         self._hvd_fired = 0              # hook calls since the last synchronize
@@ -106,7 +111,8 @@ class _DistributedOptimizer:
 
     # ------------------------------------------------------------------ hooks
     def _hvd_hook(self, p: torch.Tensor) -> None:
-        if p in self._hvd_inflight or self._hvd_delay[p] <= 0:
+        b = self._hvd_bucket_of[p]
+        if b.submitted or self._hvd_delay[p] <= 0:
             raise RuntimeError(
                 f"the gradient of '{self._hvd_names[id(p)]}' was computed more than "
                 f"backward_passes_per_step={self._hvd_passes} time(s) before optimizer.step(); "
@@ -116,25 +122,33 @@ class _DistributedOptimizer:
         self._hvd_fired += 1
         self._hvd_delay[p] -= 1
         if self._hvd_delay[p] == 0:
-            self._hvd_ready[p] = True
-            bucket = self._hvd_bucket_of[p]
-            if all(self._hvd_ready.get(q) for q in bucket):
-                self._hvd_submit(bucket)
+            if b.flat is not None:
+                b.load(p, self._hvd_views)
+            b.pending -= 1
+            if b.pending == 0:
+                self._hvd_submit(b)
 
-    def _hvd_submit(self, bucket: tuple) -> None:
-        if id(bucket) in self._hvd_submitted:
+    def _hvd_submit(self, b: Bucket) -> None:
+        if b.submitted:
             return
-        self._hvd_submitted.add(id(bucket))
-        for p in bucket:
+        if b.flat is None:
+            p = b.params[0]
             if p.grad is None:   # no gradient on this rank (unused parameter): contribute zeros
                 p.grad = torch.zeros_like(p)
             elif p.grad.is_sparse:
                 p.grad = p.grad.to_dense()
-            compressed, ctx = self._hvd_compression.compress(p.grad)
-            handle = C.allreduce_async_(compressed, name=self._hvd_names[id(p)], op=self._hvd_op,
-                                        prescale_factor=self._hvd_prescale,
-                                        postscale_factor=self._hvd_postscale)
-            self._hvd_inflight[p] = (handle, compressed, ctx)
+            tensor = p.grad
+        else:
+            if b.pending:        # synchronize(): parameters whose hook did not complete
+                for p in b.params:
+                    if self._hvd_delay[p] > 0:
+                        b.load(p, self._hvd_views)
+            tensor = b.flat
+        b.compressed, b.ctx = self._hvd_compression.compress(tensor)
+        b.handle = C.allreduce_async_(b.compressed, name=b.name, op=self._hvd_op,
+                                      prescale_factor=self._hvd_prescale,
+                                      postscale_factor=self._hvd_postscale)
+        b.submitted = True
 
     # ------------------------------------------------------------------ public
     def synchronize(self) -> None:
@@ -144,23 +158,25 @@ class _DistributedOptimizer:
             self._hvd_synchronized = True
             return
         try:
-            for p in self._hvd_requires:
-                self._hvd_submit(self._hvd_bucket_of[p])
+            for b in self._hvd_buckets:
+                self._hvd_submit(b)
             err: Optional[BaseException] = None
-            for p, (handle, compressed, ctx) in list(self._hvd_inflight.items()):
+            for b in self._hvd_buckets:
                 try:
-                    out = handle.wait()
+                    out = b.handle.wait()
                 except BaseException as exc:  # noqa: BLE001 - wait for the rest, then raise
                     err = err or exc
                     continue
-                if compressed is not p.grad:
-                    p.grad.copy_(self._hvd_compression.decompress(out, ctx))
+                target = b.params[0].grad if b.flat is None else b.flat
+                if b.compressed is not target:
+                    target.copy_(self._hvd_compression.decompress(out, b.ctx))
+                if b.flat is not None and not self._hvd_views:
+                    torch._foreach_copy_([p.grad for p in b.params], [b.views[p] for p in b.params])
             if err is not None:
                 raise err
         finally:
-            self._hvd_inflight.clear()
-            self._hvd_submitted.clear()
-            self._hvd_ready.clear()
+            for b in self._hvd_buckets:
+                b.reset()
             self._hvd_fired = 0
             for p in self._hvd_requires:
                 self._hvd_delay[p] = self._hvd_passes
@@ -186,7 +202,7 @@ class _DistributedOptimizer:
     def step(self, closure: Any = None) -> Any:
         """Wait for the gradients' allreduces, then run the wrapped optimizer's step."""
         if self._hvd_should_sync:
-            if self._hvd_synchronized and not self._hvd_inflight and not self._hvd_ready:
+            if self._hvd_synchronized and not self._hvd_fired:
                 warnings.warn("optimizer.step() called after optimizer.synchronize() without "
                               "optimizer.skip_synchronize(); gradients are reduced again (wrap "
                               "step() in `with optimizer.skip_synchronize():`)")
@@ -197,7 +213,7 @@ class _DistributedOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero (or with ``set_to_none``, drop) the gradients. Not allowed while allreduces
         of them are in flight (between backward and step)."""
-        if self._hvd_inflight or self._hvd_fired:
+        if self._hvd_fired:
             raise RuntimeError("optimizer.zero_grad() was called after loss.backward() but before "
                                "optimizer.step() or optimizer.synchronize(); the gradients are "
                                "being reduced or accumulated for the next step. Call step() or "
@@ -214,33 +230,6 @@ def _weak_hook(opt: _DistributedOptimizer) -> Any:
         if o is not None:
             o._hvd_hook(p)
     return hook
-
-
-def _buckets(params: list, groups: Any) -> dict:
-    """param -> the tuple of params whose gradients are reduced together."""
-    if groups is None:
-        return {p: (p,) for p in params}
-    if isinstance(groups, bool) or not isinstance(groups, (int, list, tuple)):
-        raise TypeError("groups must be an int (number of groups) or a list of lists of parameters")
-    if isinstance(groups, int):
-        if groups < 1:
-            raise ValueError(f"groups must be >= 1, got {groups}")
-        n = min(groups, len(params)) or 1
-        per = -(-len(params) // n)
-        lists: Sequence = [params[i:i + per] for i in range(0, len(params), per)]
-    else:
-        lists = groups
-    out: dict = {}
-    wanted = {id(p) for p in params}
-    for g in lists:
-        bucket = tuple(q for q in g if id(q) in wanted)
-        for q in bucket:
-            if q in out:
-                raise ValueError("a parameter appears in more than one of `groups`")
-            out[q] = bucket
-    for p in params:
-        out.setdefault(p, (p,))
-    return out
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Optional[Iterable] = None,
@@ -269,3 +258,31 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
     opt._hvd_setup(named_parameters, compression, backward_passes_per_step, op,
                    gradient_predivide_factor, groups, sparse_as_dense)
     return opt
+
+
+def _check_same_layout(buckets: list) -> None:
+    """Every rank must cut its gradients into the same buckets (same names, shapes, dtypes);
+    otherwise the ranks would submit differently named requests and stall. One small
+    allgather at construction turns that into a clear error on every rank."""
+    import hashlib
+    layout = [(b.name, [(tuple(p.shape), str(p.dtype)) for p in b.params]) for b in buckets]
+    digest = hashlib.sha1(repr(layout).encode()).hexdigest()
+    everyone = C.allgather_object((digest, layout), name="DistributedOptimizer.layout")
+    if len({d for d, _ in everyone}) == 1:
+        return
+    ref = everyone[0][1]
+    differ = [r for r, (_, lay) in enumerate(everyone) if lay != ref]
+    first = next(((i, [lay[i] if i < len(lay) else None for _, lay in everyone])
+                  for i in range(max(len(lay) for _, lay in everyone))
+                  if len({repr(lay[i]) if i < len(lay) else "-" for _, lay in everyone}) > 1), None)
+    detail = ""
+    if first is not None:
+        i, per_rank = first
+        detail = "; first difference, bucket %d: %s" % (i, "; ".join(
+            f"rank {r}: {v[0] if v else 'none'} {[sh for sh, _ in v[1]] if v else ''}"
+            for r, v in enumerate(per_rank)))
+    from hvd_magic.collectives import TensorMismatchError
+    raise TensorMismatchError(
+        "DistributedOptimizer: the ranks' models differ (parameter shapes or dtypes), so their "
+        f"gradients cannot be averaged; rank(s) {differ} differ from rank 0{detail}. Build the "
+        "same model on every rank (and hvd.broadcast_parameters from rank 0).")

@@ -54,7 +54,8 @@ def make_model():
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
 
 
-def train(make_opt, distributed, bpps=1, compression=hvd.Compression.none, clip=None, **kw):
+def train(make_opt, distributed, bpps=1, compression=hvd.Compression.none, clip=None,
+          keep_grads=False, **kw):
     model = make_model()
     opt = make_opt(model.parameters())
     if kw.get("groups") == "lists":
@@ -67,7 +68,7 @@ def train(make_opt, distributed, bpps=1, compression=hvd.Compression.none, clip=
         x, y = XS[s], YS[s]
         if distributed:
             x, y = x.chunk(N)[R], y.chunk(N)[R]
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=not keep_grads)
         for xm, ym in zip(x.chunk(bpps), y.chunk(bpps)):
             (torch.nn.functional.mse_loss(model(xm), ym) / bpps).backward()
         if clip is None:
@@ -98,25 +99,170 @@ CASES = {
     "groups_lists": (lambda ps: torch.optim.SGD(ps, lr=0.1), {"groups": "lists"}, 1e-5),
     "groups2": (lambda ps: torch.optim.SGD(ps, lr=0.1), {"groups": 2}, 1e-5),
     "predivide": (lambda ps: torch.optim.SGD(ps, lr=0.1), {"gradient_predivide_factor": 2.0}, 1e-5),
+    "keep_grads": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), {"keep_grads": True}, 1e-5),
+    "keep_grads_bpps2": (lambda ps: torch.optim.Adam(ps, lr=0.01), {"keep_grads": True, "bpps": 2}, 1e-4),
 }
-for cname, (mk, kw, tol) in CASES.items():
-    @check(f"equivalence {cname}")
+
+# Gradient bucketing settings (HVD_MAGIC_BUCKET_BYTES, HVD_MAGIC_GRAD_VIEWS; read when the
+# optimizer is wrapped). The test model's 4 tensors are 128, 32, 32 and 4 bytes: by default
+# one bucket; "30" gives [bias2, weight2] + two single-parameter buckets; "0" no buckets.
+BUCKET_VARIANTS = {"": {}, "bytes=0": {"HVD_MAGIC_BUCKET_BYTES": "0"},
+                   "bytes=30": {"HVD_MAGIC_BUCKET_BYTES": "30"},
+                   "bytes=30,views=0": {"HVD_MAGIC_BUCKET_BYTES": "30", "HVD_MAGIC_GRAD_VIEWS": "0"},
+                   "bytes=1,1000": {"HVD_MAGIC_BUCKET_BYTES": "1,1000"}}
+BUCKET_KEYS = ("HVD_MAGIC_BUCKET_BYTES", "HVD_MAGIC_GRAD_VIEWS")
+
+
+def set_bucket_env(env):
+    for k in BUCKET_KEYS:
+        os.environ.pop(k, None)
+    os.environ.update(env)
+
+
+for vname, venv in BUCKET_VARIANTS.items():
+    vlabel = f" [{vname}]" if vname else ""
+    for cname, (mk, kw, tol) in CASES.items():
+        if vname and cname in ("adam", "clip", "predivide"):
+            continue
+        @check(f"equivalence {cname}{vlabel}")
+        def _():
+            set_bucket_env(venv)
+            bpps = kw.get("bpps", 1)
+            extra = {k: v for k, v in kw.items() if k != "bpps"}
+            ref = train(mk, False, bpps=bpps, clip=extra.get("clip"))
+            got = train(mk, True, bpps=bpps, **extra)
+            close(f"equivalence {cname}{vlabel}", got, ref, tol)
+            if torch.allclose(got, make_model_flat(), atol=1e-4):
+                FAILS.append(f"equivalence {cname}{vlabel}: parameters did not move")
+
+    @check(f"sum op{vlabel}")
     def _():
-        bpps = kw.get("bpps", 1)
-        extra = {k: v for k, v in kw.items() if k != "bpps"}
-        ref = train(mk, False, bpps=bpps, clip=extra.get("clip"))
-        got = train(mk, True, bpps=bpps, **extra)
-        close(f"equivalence {cname}", got, ref, tol)
-        if torch.allclose(got, make_model_flat(), atol=1e-4):
-            FAILS.append(f"equivalence {cname}: parameters did not move")
+        set_bucket_env(venv)
+        ref = train(lambda ps: torch.optim.SGD(ps, lr=0.1), False)
+        got = train(lambda ps: torch.optim.SGD(ps, lr=0.1 / N), True, op=hvd.Sum)
+        # Sum of per-shard mean losses = N * full-batch mean loss gradient: lr/N compensates
+        close(f"sum op{vlabel}", got, ref, 1e-5)
+set_bucket_env({})
 
 
-@check("sum op")
+# ---------------------------------------------------------------- bucketing: requests per step
+def make_deep(width=32, depth=6):
+    torch.manual_seed(1)
+    layers = [torch.nn.Linear(4, width), torch.nn.Tanh()]
+    for _ in range(depth - 2):
+        layers += [torch.nn.Linear(width, width), torch.nn.Tanh()]
+    layers.append(torch.nn.Linear(width, 1))
+    return torch.nn.Sequential(*layers)
+
+
+def count_requests(env, bpps=1, steps=3, keep_grads=False, compression=hvd.Compression.none):
+    """Train make_deep() distributed; return (optimizer, names submitted per step, flat params)."""
+    import hvd_magic.collectives as HC
+    set_bucket_env(env)
+    model = make_deep()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                   named_parameters=model.named_parameters(),
+                                   backward_passes_per_step=bpps, compression=compression)
+    set_bucket_env({})
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    seen = []
+    orig = HC.allreduce_async_
+
+    def spy(tensor, name=None, **kw):
+        seen[-1].append(name)
+        return orig(tensor, name=name, **kw)
+    HC.allreduce_async_ = spy
+    try:
+        for s in range(steps):
+            seen.append([])
+            opt.zero_grad(set_to_none=not keep_grads)
+            for xm, ym in zip(XS[s].chunk(N)[R].chunk(bpps), YS[s].chunk(N)[R].chunk(bpps)):
+                (torch.nn.functional.mse_loss(model(xm), ym) / bpps).backward()
+            opt.step()
+    finally:
+        HC.allreduce_async_ = orig
+    return opt, model, seen
+
+
+def train_deep_ref(bpps=1, steps=3):
+    model = make_deep()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for s in range(steps):
+        opt.zero_grad()
+        for xm, ym in zip(XS[s].chunk(bpps), YS[s].chunk(bpps)):
+            (torch.nn.functional.mse_loss(model(xm), ym) / bpps).backward()
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def flat_params(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+# make_deep(): 12 tensors; weights 4x32 (512 B), 32x32 (4096 B) x4, 32x1 (128 B); biases 128 B, 4 B
+for label, env, kw in (("default", {}, {}), ("8 KiB", {"HVD_MAGIC_BUCKET_BYTES": "8192"}, {}),
+                       ("8 KiB bpps=2", {"HVD_MAGIC_BUCKET_BYTES": "8192"}, {"bpps": 2}),
+                       ("8 KiB keep grads", {"HVD_MAGIC_BUCKET_BYTES": "8192"}, {"keep_grads": True}),
+                       ("8 KiB fp16", {"HVD_MAGIC_BUCKET_BYTES": "8192"},
+                        {"compression": hvd.Compression.fp16}),
+                       ("off", {"HVD_MAGIC_BUCKET_BYTES": "0"}, {})):
+    @check(f"bucketing requests per step {label}")
+    def _():
+        opt, model, seen = count_requests(env, **kw)
+        n_buckets = len(opt._hvd_buckets)
+        n_params = len(list(model.parameters()))
+        want = {"default": 1, "8 KiB": 3, "off": n_params}.get(label, 3)
+        if n_buckets != want:
+            FAILS.append(f"bucketing {label}: {n_buckets} buckets, expected {want}: {opt._hvd_buckets}")
+        for s, names in enumerate(seen):
+            if len(names) != n_buckets:
+                FAILS.append(f"bucketing {label}: step {s} made {len(names)} requests, expected {n_buckets}")
+            if sorted(names) != sorted(seen[0]):
+                FAILS.append(f"bucketing {label}: names changed between steps: {seen[0]} vs {names}")
+        if label == "off":
+            if sorted(seen[0]) != sorted(n for n, _ in model.named_parameters()):
+                FAILS.append(f"bucketing off: names {seen[0]}")
+        else:
+            multi = [b.name for b in opt._hvd_buckets if len(b.params) > 1]
+            if not multi or not all(n.startswith("grad.bucket") and "[" in n for n in multi):
+                FAILS.append(f"bucketing {label}: bucket names {seen[0]}")
+        allnames = hvd.allgather_object(sorted(seen[0]))
+        if any(a != allnames[0] for a in allnames):
+            FAILS.append(f"bucketing {label}: names differ between ranks {allnames}")
+        tol = 2e-3 if "fp16" in label else 1e-5
+        close(f"bucketing {label} equivalence", flat_params(model), train_deep_ref(kw.get("bpps", 1)), tol)
+        # p.grad holds the averaged gradient after step (a view into the bucket by default)
+        if label == "keep grads":
+            for b in opt._hvd_buckets:
+                if b.flat is not None:
+                    for p in b.params:
+                        if p.grad.data_ptr() != b.views[p].data_ptr():
+                            FAILS.append(f"bucketing {label}: grad of a bucket member is not its view")
+
+
+@check("bucketing: grads are the average after synchronize")
 def _():
-    ref = train(lambda ps: torch.optim.SGD(ps, lr=0.1), False)
-    got = train(lambda ps: torch.optim.SGD(ps, lr=0.1 / N), True, op=hvd.Sum)
-    # Sum of per-shard mean losses = N * full-batch mean loss gradient: lr/N compensates
-    close("sum op", got, ref, 1e-5)
+    set_bucket_env({"HVD_MAGIC_BUCKET_BYTES": "8192"})
+    for keep in (False, True):
+        model = make_deep()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                       named_parameters=model.named_parameters())
+        for s in range(2):
+            # The local gradients come from an unhooked twin: reading p.grad after backward
+            # would race with the bucket's in-place allreduce, which may already have run.
+            twin = make_deep()
+            twin.load_state_dict(model.state_dict())
+            torch.nn.functional.mse_loss(twin(XS[s].chunk(N)[R]), YS[s].chunk(N)[R]).backward()
+            local = [p.grad.clone() for p in twin.parameters()]
+            opt.zero_grad(set_to_none=not keep)
+            torch.nn.functional.mse_loss(model(XS[s].chunk(N)[R]), YS[s].chunk(N)[R]).backward()
+            opt.synchronize()
+            for (n, p), g in zip(model.named_parameters(), local):
+                want = hvd.allreduce(g, name=f"check.avg.{n}")
+                close(f"bucketing average {n} keep={keep} step {s}", p.grad, want, 1e-6)
+            with opt.skip_synchronize():
+                opt.step()
+    set_bucket_env({})
 
 
 # ---------------------------------------------------------------- broadcasts
@@ -265,26 +411,29 @@ def _():
         close("join uneven", got, run(False, 3), 1e-5)
 
 
-@check("unused parameter")
-def _():
-    torch.manual_seed(0)
-    lin = torch.nn.Linear(3, 2)
-    extra = torch.nn.Parameter(torch.zeros(4))
-    params = [("lin.weight", lin.weight), ("lin.bias", lin.bias), ("extra", extra)]
-    opt = hvd.DistributedOptimizer(torch.optim.SGD([p for _, p in params], lr=1.0),
-                                   named_parameters=params)
-    for step in range(2):
-        opt.zero_grad()
-        x = torch.full((2, 3), float(R + 1))
-        loss = lin(x).sum() + (extra.sum() if R == 0 else 0.0)
-        loss.backward()
-        opt.step()
-    # extra's averaged grad is 1/N each step (only rank 0 contributes ones)
-    close("unused parameter value", extra.detach(), torch.full((4,), -2.0 / N), 1e-6)
-    # lin.bias grad: every rank 2 per output -> average 2
-    torch.manual_seed(0)
-    ref = torch.nn.Linear(3, 2)
-    close("unused parameter bias", lin.bias.detach(), ref.bias.detach() - 2 * 2.0, 1e-5)
+for vname, venv in BUCKET_VARIANTS.items():
+    @check(f"unused parameter [{vname}]")
+    def _():
+        set_bucket_env(venv)
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(3, 2)
+        extra = torch.nn.Parameter(torch.zeros(4))
+        params = [("lin.weight", lin.weight), ("lin.bias", lin.bias), ("extra", extra)]
+        opt = hvd.DistributedOptimizer(torch.optim.SGD([p for _, p in params], lr=1.0),
+                                       named_parameters=params)
+        for step in range(2):
+            opt.zero_grad()
+            x = torch.full((2, 3), float(R + 1))
+            loss = lin(x).sum() + (extra.sum() if R == 0 else 0.0)
+            loss.backward()
+            opt.step()
+        # extra's averaged grad is 1/N each step (only rank 0 contributes ones)
+        close("unused parameter value", extra.detach(), torch.full((4,), -2.0 / N), 1e-6)
+        # lin.bias grad: every rank 2 per output -> average 2
+        torch.manual_seed(0)
+        ref = torch.nn.Linear(3, 2)
+        close("unused parameter bias", lin.bias.detach(), ref.bias.detach() - 2 * 2.0, 1e-5)
+    set_bucket_env({})
 
 
 @check("shape mismatch")
@@ -295,14 +444,13 @@ def _():
     except hvd.TensorMismatchError:
         pass
     m = torch.nn.Linear(3, 2 if R == 0 else 3)     # a model built differently on one rank
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
-                                   named_parameters=m.named_parameters())
-    m(torch.ones(1, 3)).sum().backward()
-    try:
-        opt.step()
+    try:   # found when the optimizer is built, on every rank, before any gradient can stall
+        hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                 named_parameters=m.named_parameters())
         FAILS.append("optimizer shape mismatch: no error")
-    except hvd.TensorMismatchError:
-        pass
+    except hvd.TensorMismatchError as exc:
+        if "models differ" not in str(exc) or "rank 1" not in str(exc):
+            FAILS.append(f"optimizer shape mismatch: unclear message: {exc}")
     hvd.barrier()
 
 
