@@ -36,6 +36,11 @@ def _collect(kc, code, timeout=60):
     def hook(msg):
         if msg["msg_type"] in ("stream", "error", "execute_result"):
             outs.append(msg["content"])
+        elif msg["msg_type"] in ("display_data", "update_display_data"):
+            # the live panel's final snapshot carries each rank's output as text/plain
+            plain = msg["content"].get("data", {}).get("text/plain", "")
+            if plain.startswith("["):
+                outs.append({"text": plain + "\n"})
 
     reply = kc.execute_interactive(code, output_hook=hook, timeout=timeout)
     text = "".join(o.get("text", "") for o in outs if "text" in o)
