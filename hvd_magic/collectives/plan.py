@@ -44,7 +44,7 @@ class RankMsg(NamedTuple):
     payloads: tuple = ()            # (index into anns, bytes): small allreduce inputs sent eagerly
 
 
-@dataclass
+@dataclass(slots=True)
 class Response:
     """A decision every rank carries out identically."""
 
@@ -62,7 +62,7 @@ class Response:
         return next(iter(self.anns.values()))
 
 
-@dataclass
+@dataclass(slots=True)
 class Pending:
     name: str
     anns: dict = field(default_factory=dict)
