@@ -372,8 +372,7 @@ class Engine:
             if self._join is not None or self.neg.waiting(self.rank):
                 if self._empty_streak == 0:
                     break
-                cap = MAX_POLL_S if self.waiters == 0 else MIN_SLEEP_S * 4
-                delay = min(cap, MIN_SLEEP_S * (2 ** min(self._empty_streak, 10)))
+                delay = min(MAX_POLL_S, MIN_SLEEP_S * (2 ** min(self._empty_streak, 10)))
                 if now - waited_from >= delay:
                     break
                 self._sleep(delay - (now - waited_from))
@@ -486,7 +485,7 @@ class Engine:
         last_tick = time.monotonic()
         while not req.Test():
             time.sleep(delay)
-            delay = min(delay * 2, MAX_POLL_S if self.waiters == 0 else MIN_SLEEP_S * 4)
+            delay = min(delay * 2, MAX_POLL_S)
             now = time.monotonic()
             if now - last_tick > 0.25:
                 last_tick = now
