@@ -120,9 +120,16 @@ def _grouped(tensors: Sequence[Any], name: Optional[str], op: Any, prescale: flo
         raise TypeError("grouped_allreduce takes a list of tensors")
     base = _name("grouped_allreduce", name)
     groups: dict[tuple, list[int]] = {}
-    for i, t in enumerate(tensors):
-        dtype, _, device = _check_tensor(t, "grouped_allreduce")
-        groups.setdefault((dtype, device, ops.is_torch(t)), []).append(i)
+    first = tensors[0] if tensors else None
+    if (isinstance(first, np.ndarray) and type(first) is np.ndarray
+            and all(type(t) is np.ndarray and t.dtype == first.dtype for t in tensors)):
+        # the common case (numpy arrays of one dtype): one check, not one per tensor
+        dtype, _, _ = _check_tensor(first, "grouped_allreduce")
+        groups[(dtype, "cpu", False)] = list(range(len(tensors)))
+    else:
+        for i, t in enumerate(tensors):
+            dtype, _, device = _check_tensor(t, "grouped_allreduce")
+            groups.setdefault((dtype, device, ops.is_torch(t)), []).append(i)
     parts = []
     for (dtype, device, is_t), idxs in groups.items():
         label = base if len(groups) == 1 else f"{base}.{dtype}"
@@ -136,10 +143,21 @@ def _grouped(tensors: Sequence[Any], name: Optional[str], op: Any, prescale: flo
                 parts.append((_Single(h), [i]))
             continue
         members = [tensors[i] for i in idxs]
-        flat = np.concatenate([ops.as_numpy(t).reshape(-1) for t in members]) if members else None
         shapes = [tuple(t.shape) for t in members]
+        if not is_t:
+            flat = np.concatenate([t.reshape(-1) for t in members]).astype(members[0].dtype.newbyteorder("="), copy=False)
+        else:
+            flat = np.concatenate([ops.as_numpy(t).reshape(-1) for t in members])
 
-        def split(result: Any, _extra: Any, members=members, shapes=shapes, dtype=dtype) -> list:
+        def split(result: Any, _extra: Any, members=members, shapes=shapes, dtype=dtype,
+                  is_t=is_t) -> list:
+            if not is_t and not inplace:
+                ends = itertools.accumulate(math.prod(sh) for sh in shapes)
+                out, start = [], 0
+                for end, sh in zip(ends, shapes):
+                    out.append(result[start:end].reshape(sh))
+                    start = end
+                return out
             pieces, off = [], 0
             for t, shape in zip(members, shapes):
                 n = math.prod(shape)
@@ -159,7 +177,8 @@ def _grouped(tensors: Sequence[Any], name: Optional[str], op: Any, prescale: flo
         ops.check_op_dtype(op_, dtype)
         ann = Ann(label, "allreduce", dtype, flat.shape, int(op_), -1,
                   _factor(prescale, "prescale_factor"), _factor(postscale, "postscale_factor"), device)
-        parts.append((engine().submit(ann, flat, post=split, urgent=urgent), idxs))
+        # ``flat`` is our own buffer: reduce it in place (no result allocation, no copy)
+        parts.append((engine().submit(ann, flat, out=flat, post=split, urgent=urgent), idxs))
     return GroupHandle(parts, len(tensors))
 
 
