@@ -273,3 +273,31 @@ def test_two_rank_cell_telemetry_through_text_sink(capsys):
         assert snk.cell.rank[0].status == M.DONE
     finally:
         manager.stop()
+
+
+def test_hvd_scale_runs_the_cell_at_each_size_and_reports_efficiency(tmp_path):
+    """`%%hvd scale --np 1,2` through a real IPython shell and real pools."""
+    import subprocess
+    import sys
+    script = tmp_path / "scale.py"
+    script.write_text('''
+from IPython.testing.globalipapp import start_ipython
+ip = start_ipython()
+ip.run_line_magic("load_ext", "hvd_magic")
+code = """import time, numpy as np
+import hvd_magic.collectives as hvd
+from hvd_magic import report
+for step in range(300):      # the same count on every rank (a time limit would not be)
+    hvd.allreduce(np.ones(100))
+    time.sleep(0.003)
+    report(samples=32)
+"""
+pts = ip.run_cell_magic("hvd", "scale --np 1,2", code)
+print("SIZES", [p.np for p in pts], "RATES", all(p.total > 0 for p in pts))
+ip.run_line_magic("hvd", "stop")
+''')
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    assert "SIZES [1, 2] RATES True" in out
+    assert "efficiency" in out and "100%" in out      # the table, with the 1-rank row at 100%
