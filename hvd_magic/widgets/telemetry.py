@@ -72,7 +72,9 @@ class _Telemetry:
             _samples, _samples_t = 0, None
             self.t0 = time.time()
             self.running = True
-        self.send("running")
+        # No batch now: the client shows "running" from the cell's start, the periodic thread
+        # sends the first batch after one interval, and a short cell sends only its final
+        # batch (one message a cell instead of two: empty cells round-trip faster).
         if self.thread is None or not self.thread.is_alive():
             self.thread = threading.Thread(target=self._loop, name="hvdm-telemetry", daemon=True)
             self.thread.start()
