@@ -510,6 +510,9 @@ class Engine:
         return self._torch_backend
 
     def _execute(self, responses: list, decided: float) -> bool:
+        if len(responses) == 1 and (responses[0].kind != "allreduce" or responses[0].data is not None
+                                    or responses[0].error is not None):
+            return self._execute_one(responses[0], decided)   # nothing to fuse
         stop = False
         plan = plan_fusion(responses, self.cfg.fusion_threshold)
         for item in plan:
@@ -558,7 +561,8 @@ class Engine:
             if req is not None:
                 req.handle._set(error=_ERRORS.get(resp.error_kind, HvdError)(resp.error))
             return False
-        self._queue_events([(req, resp.first)], decided)
+        if self.tl.active:
+            self._queue_events([(req, resp.first)], decided)
         if req is None and resp.kind != "allgather":
             return False   # a joined rank has nothing to do for a barrier or an eager allreduce
         try:

@@ -35,6 +35,17 @@ _EAGER_UFUNCS.update({(ReduceOp.MIN, True): np.logical_and, (ReduceOp.MAX, True)
                       (ReduceOp.SUM, True): np.logical_or, (ReduceOp.AVERAGE, True): np.logical_or})
 
 
+_OPS = {int(o): o for o in ReduceOp}
+_DTYPES: dict = {}
+
+
+def _dtypes(name: str) -> tuple:
+    """(reduction dtype, carried dtype) of a dtype name, cached."""
+    pair = (np.dtype("float32") if name in ops.HALF else np.dtype(name), ops.np_dtype(name))
+    _DTYPES[name] = pair
+    return pair
+
+
 def _bytes(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1).view(np.uint8)
 
@@ -146,10 +157,9 @@ class MPIBackend:
         """Reduce inputs that every rank sent with the negotiation, in rank order (so every
         rank computes bit-identical results) without another round of communication."""
         ann = req.ann
-        dtype, op = ann.dtype, ReduceOp(ann.op)
+        dtype, op = ann.dtype, _OPS[ann.op]
         half = dtype in ops.HALF
-        red = np.dtype("float32") if half else np.dtype(dtype)
-        carried = ops.np_dtype(dtype)
+        red, carried = _DTYPES.get(dtype) or _dtypes(dtype)
         t0 = now_us() if self.tl.active else 0.0
         data = resp.data
         arrs = [np.frombuffer(data[r], dtype=carried) for r in sorted(data)]
