@@ -2,7 +2,6 @@
 run under real mpiexec at 2 and 3 ranks (tests/mpi/tf_checks.py groups them, one launch per
 rank count, because importing TensorFlow costs seconds per launch)."""
 import inspect
-import os
 import subprocess
 import sys
 
@@ -59,13 +58,6 @@ def test_compression_dtypes():
     assert hvd.Compression.fp16.compress(i)[0].dtype == tf.int32
 
 
-@pytest.fixture
-def one_rank():
-    was = hvd.is_initialized()
-    hvd.init()
-    yield
-    if not was:
-        hvd.shutdown()
 
 
 def test_single_process(one_rank):

@@ -54,14 +54,6 @@ def test_compression_dtypes():
     assert hvd.Compression.none.compress(t)[0] is t
 
 
-@pytest.fixture
-def one_rank():
-    """The runtime on this process alone, shut down afterwards (other tests expect it off)."""
-    was = hvd.is_initialized()
-    hvd.init()
-    yield
-    if not was:
-        hvd.shutdown()
 
 
 def test_single_process(one_rank):

@@ -17,7 +17,7 @@ import numpy as np
 
 from . import ops
 from .engine import Handle
-from .ops import Average, ReduceOp
+from .ops import Average
 from .plan import Ann
 from .state import _require, engine
 

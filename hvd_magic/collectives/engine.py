@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import marshal
 import os
-import pickle
 import sys
 import threading
 import time
@@ -143,7 +142,7 @@ class Handle:
 class LocalReq:
     """One request on this rank: the agreed metadata plus this rank's tensor."""
 
-    __slots__ = ("ann", "tensor", "out", "handle", "t_submit", "t_decided", "_src")
+    __slots__ = ("ann", "tensor", "out", "handle", "t_submit", "_src")
 
     def __init__(self, ann: Ann, tensor: Any, handle: Handle, out: Any = None):
         self.ann = ann
@@ -151,7 +150,6 @@ class LocalReq:
         self.out = out                 # in-place target (the user's tensor), or None
         self.handle = handle
         self.t_submit = time.monotonic()
-        self.t_decided = 0.0
         self._src: Optional[np.ndarray] = None
 
     def src(self) -> np.ndarray:
@@ -352,9 +350,6 @@ class Engine:
             r.handle._set(error=err)
         if join is not None:
             join._set(error=err)
-
-    def _has_news(self) -> bool:
-        return bool(self._new or self._cancels or self._join_announce or self._shutdown_announce)
 
     def _sleep(self, timeout: Optional[float]) -> None:
         """Sleep until rung or ``timeout`` (None: forever) passes."""

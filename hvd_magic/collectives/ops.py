@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import enum
 import sys
-from typing import Any
+import warnings
+from typing import Any, Optional
 
 import numpy as np
 
@@ -53,6 +54,18 @@ def to_op(op: Any) -> ReduceOp:
             pass
     raise ValueError(f"unknown reduction op {op!r}; use one of hvd.Average, hvd.Sum, "
                      "hvd.Min, hvd.Max, hvd.Product")
+
+
+def resolve_op(average: Optional[bool], op: Any, fn: str) -> ReduceOp:
+    """Horovod's rule for the framework faces: ``average`` (deprecated) maps to Average/Sum,
+    ``op=None`` is Average; both given is a ValueError."""
+    if average is not None:
+        if op is not None:
+            raise ValueError(f"{fn}: pass either op=... or the deprecated average=..., not both")
+        warnings.warn(f"{fn}(average=...) is deprecated; use op=hvd.Average or op=hvd.Sum",
+                      DeprecationWarning, stacklevel=3)
+        return Average if average else Sum
+    return to_op(Average if op is None else op)
 
 
 def _torch():

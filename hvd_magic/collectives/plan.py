@@ -14,7 +14,7 @@ from typing import Iterable, NamedTuple, Optional
 import numpy as np
 
 from .errors import group_ranks
-from .ops import HALF, ReduceOp
+from .ops import ReduceOp
 
 
 class Ann(NamedTuple):

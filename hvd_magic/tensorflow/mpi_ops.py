@@ -15,14 +15,13 @@ or pass the same ``name`` for matching calls.
 """
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
 import hvd_magic.collectives as C
 from hvd_magic.collectives import Average, Sum
-from hvd_magic.collectives.ops import to_op
+from hvd_magic.collectives.ops import resolve_op, to_op
 
 from ._compat import import_tf
 from .compression import Compression, Compressor, check_compression
@@ -91,15 +90,7 @@ def _tensor(x: Any, fn: str) -> Any:
                         f"tf.convert_to_tensor accepts), not {type(x).__name__}") from exc
 
 
-def _op(average: Optional[bool], op: Any, fn: str) -> Any:
-    """Horovod's rule: ``average`` (deprecated) maps to Average/Sum; ``op=None`` is Average."""
-    if average is not None:
-        if op is not None:
-            raise ValueError(f"{fn}: pass either op=... or the deprecated average=..., not both")
-        warnings.warn(f"{fn}(average=...) is deprecated; use op=hvd.Average or op=hvd.Sum",
-                      DeprecationWarning, stacklevel=3)
-        return Average if average else Sum
-    return to_op(Average if op is None else op)
+_op = resolve_op   # Horovod's average=/op= rule, shared by the faces
 
 
 def _check_grad_op(op: Any, fn: str) -> None:

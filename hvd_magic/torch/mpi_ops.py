@@ -12,26 +12,18 @@ The in-place twins (``allreduce_``, ``broadcast_``, ``*_async_``) are not differ
 """
 from __future__ import annotations
 
-import warnings
 from typing import Any, Optional, Sequence
 
 import torch
 
 import hvd_magic.collectives as C
 from hvd_magic.collectives import Average, Handle, Sum
+from hvd_magic.collectives.ops import resolve_op
 
 from .compression import Compression, Compressor
 
 
-def _op(average: Optional[bool], op: Any, fn: str) -> Any:
-    """Horovod's rule: ``average`` (deprecated) maps to Average/Sum; ``op=None`` is Average."""
-    if average is not None:
-        if op is not None:
-            raise ValueError(f"{fn}: pass either op=... or the deprecated average=..., not both")
-        warnings.warn(f"{fn}(average=...) is deprecated; use op=hvd.Average or op=hvd.Sum",
-                      DeprecationWarning, stacklevel=3)
-        return Average if average else Sum
-    return Average if op is None else op
+_op = resolve_op   # Horovod's average=/op= rule, shared by the faces
 
 
 def _tensor(x: Any, fn: str) -> torch.Tensor:

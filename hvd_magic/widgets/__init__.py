@@ -14,7 +14,7 @@ from typing import Any
 
 from .telemetry import report
 
-__all__ = ["install", "make_sink", "report", "run_cell", "save_trace", "set_baseline", "scale"]
+__all__ = ["make_sink", "report", "run_cell", "save_trace", "set_baseline", "scale"]
 
 
 def make_sink(stream: bool = True, **kw: Any) -> Any:
@@ -27,12 +27,6 @@ def run_cell(pool: Any, code: str, sink: Any, ranks: Any = None, timeout: Any = 
     """``pool.run_cell`` with live telemetry when ``sink`` is a live sink."""
     from .sink import run_cell as _r
     return _r(pool, code, sink, ranks=ranks, timeout=timeout)
-
-
-def install(magics: Any = None) -> Any:
-    """Make the loaded ``%%hvd`` magic use the widgets (until the magic does it itself)."""
-    from .sink import install as _i
-    return _i(magics)
 
 
 def save_trace(path: Any = None) -> str:

@@ -157,13 +157,13 @@ def _enable_telemetry(pool: Any, interval: float) -> None:
 
 
 def run_cell(pool: Any, code: str, sink: Any, ranks: Optional[Sequence[int]] = None,
-             timeout: Optional[float] = None, interval: float = 0.25, _run: Any = None) -> Any:
+             timeout: Optional[float] = None, interval: float = 0.25) -> Any:
     """``pool.run_cell`` with live telemetry for sinks that want it (``sink.live``).
 
     The one call the ``%%hvd`` magic makes instead of ``pool.run_cell``; for other sinks it
     is exactly ``pool.run_cell``.
     """
-    run = _run or pool.run_cell
+    run = pool.run_cell
     if not getattr(sink, "live", False) or getattr(sink, "feed", None) is not None:
         return run(code, sink, ranks=ranks, timeout=timeout)
     _enable_telemetry(pool, interval)
@@ -192,41 +192,6 @@ def run_cell(pool: Any, code: str, sink: Any, ranks: Optional[Sequence[int]] = N
             BASELINES[workload_key(code)] = rate
     LAST["wall_s"] = time.time() - t0
     return outcome
-
-
-def install(magics: Any = None) -> Any:
-    """Bridge until the magic calls :func:`run_cell` itself: make the loaded ``%%hvd`` magic
-    (``%load_ext hvd_magic`` first) render with :func:`make_sink` and run its pools' cells
-    through :func:`run_cell`. Idempotent; returns the magics object."""
-    import functools
-    if magics is None:
-        from .. import magics as _m
-        magics = _m._LOADED
-        if magics is None:
-            raise RuntimeError("run %load_ext hvd_magic first")
-    type(magics).sink_factory = make_sink       # the magic reads it through the class
-    manager = magics.manager
-
-    def wrap(pool: Any) -> Any:
-        if pool is not None and not getattr(pool, "_hvdm_wrapped", False):
-            orig = pool.run_cell
-
-            def run_cell_live(code: str, sink: Any, ranks: Any = None, timeout: Any = None) -> Any:
-                return run_cell(pool, code, sink, ranks=ranks, timeout=timeout, _run=orig)
-            pool.run_cell = run_cell_live
-            pool._hvdm_wrapped = True
-        return pool
-
-    if not getattr(manager, "_hvdm_wrapped", False):
-        ensure = manager.ensure
-
-        @functools.wraps(ensure)
-        def ensure_live(*a: Any, **kw: Any) -> Any:
-            return wrap(ensure(*a, **kw))
-        manager.ensure = ensure_live
-        manager._hvdm_wrapped = True
-    wrap(manager.pool)
-    return magics
 
 
 # ---------------------------------------------------------------------------- text

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-import time
 from typing import Any, Optional
 
 import numpy as np
