@@ -16,7 +16,8 @@ NP = pytest.mark.parametrize("np_", [2, 3], ids=["np2", "np3"])
 def test_every_op_dtype_shape_and_tensor_type(np_):
     """allreduce (every op, prescale/postscale, in place, async, grouped), allgather, broadcast
     (each root), alltoall (with and without splits), reducescatter, barrier, object ops; numpy
-    and torch; eager, MPI-fused and unfused paths. Values against numpy references."""
+    and torch; eager, MPI-fused, unfused and torch.distributed/gloo (the path CUDA tensors take
+    with NCCL) paths. Values against numpy references."""
     proc = mpirun("coll_ops.py", np_, timeout=300)
     assert proc.stdout.count("coll_ops OK") == np_, proc.stdout
 
@@ -44,4 +45,4 @@ def test_stall_warning_and_stall_shutdown(np_):
                      r"[\d.]+ s: submitted by rank\(s\) [\d, ]+, not yet by rank\(s\) 1\n", proc.stderr)
     assert warn, proc.stderr
     # and about 'never', naming the last rank
-    assert f"tensor 'never'" in proc.stderr and f"not yet by rank(s) {np_ - 1}" in proc.stderr, proc.stderr
+    assert "tensor 'never'" in proc.stderr and f"not yet by rank(s) {np_ - 1}" in proc.stderr, proc.stderr

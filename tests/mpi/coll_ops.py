@@ -557,13 +557,15 @@ def run_all():
 
 def main():
     global MODE
+    # "gloo": CPU tensors through torch.distributed, the code path CUDA tensors take with NCCL
     for mode, env in (("eager", {}), ("mpi", {"HVD_MAGIC_EAGER": "0"}),
-                      ("nofusion", {"HVD_MAGIC_EAGER": "0", "HOROVOD_FUSION_THRESHOLD": "0"})):
+                      ("nofusion", {"HVD_MAGIC_EAGER": "0", "HOROVOD_FUSION_THRESHOLD": "0"}),
+                      ("gloo", {"HOROVOD_CPU_OPERATIONS": "gloo"})):
         if len(sys.argv) > 1 and mode not in sys.argv[1:]:
             continue
         MODE = mode
-        os.environ.pop("HVD_MAGIC_EAGER", None)
-        os.environ.pop("HOROVOD_FUSION_THRESHOLD", None)
+        for k in ("HVD_MAGIC_EAGER", "HOROVOD_FUSION_THRESHOLD", "HOROVOD_CPU_OPERATIONS"):
+            os.environ.pop(k, None)
         os.environ.update(env)
         t0 = time.time()
         hvd.init()

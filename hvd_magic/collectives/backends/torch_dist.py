@@ -62,7 +62,6 @@ class TorchBackend:
                 f"torch.distributed is already initialized with world size {dist.get_world_size()} "
                 f"and rank {dist.get_rank()}, but hvd_magic runs {self.size} ranks (this one is "
                 f"{self.rank}); destroy that process group or initialize it with the same ranks")
-        from mpi4py import MPI
         hosts = comm.allgather(socket.gethostname())
         single_host = len(set(hosts)) == 1
         addr = "127.0.0.1" if single_host else os.environ.get(
@@ -85,7 +84,6 @@ class TorchBackend:
         self._store = store
         self._owns_group = True
         comm.Barrier()
-        del MPI
         return None
 
     def close(self) -> None:
@@ -95,15 +93,32 @@ class TorchBackend:
             self._owns_group = False
 
     # -------------------------------------------------------------- helpers
-    def _tensor(self, x: Any) -> Any:
-        """A torch view of the user's tensor (numpy arrays are wrapped without a copy)."""
+    def _tensor(self, x: Any, dtype: str) -> Any:
+        """A torch view of the user's tensor; numpy arrays are wrapped without a copy where
+        they can be (contiguous, native byte order, writeable) and bfloat16 bits (int16 in
+        numpy) are viewed as bfloat16."""
         torch = self.torch
         if isinstance(x, np.ndarray):
-            x = np.ascontiguousarray(x)
-            if not x.flags.writeable:
-                x = x.copy()
-            return torch.from_numpy(x)
+            a = ops.as_numpy(x)
+            if not a.flags.writeable:
+                a = a.copy()
+            t = torch.from_numpy(a)
+            return t.view(torch.bfloat16) if dtype == "bfloat16" else t
         return x.detach()
+
+    def _numpy(self, t: Any) -> np.ndarray:
+        """numpy of a result for a numpy caller (bfloat16 travels as int16 bits, as on MPI)."""
+        t = t.cpu()
+        return (t.view(self.torch.int16) if t.dtype == self.torch.bfloat16 else t).numpy()
+
+    @staticmethod
+    def _scale(buf: Any, factor: float) -> None:
+        """``buf *= factor`` in place; integer buffers are scaled in float and truncated, as
+        the MPI backend does."""
+        if buf.is_floating_point():
+            buf.mul_(factor)
+        else:
+            buf.copy_(buf * factor)
 
     def _dtype(self, name: str) -> Any:
         return getattr(self.torch, name)
@@ -121,12 +136,12 @@ class TorchBackend:
         user = req.tensor
         if req.out is not None:
             if isinstance(req.out, np.ndarray):
-                np.copyto(req.out, t.cpu().numpy().reshape(req.out.shape), casting="unsafe")
+                np.copyto(req.out, self._numpy(t).reshape(req.out.shape), casting="unsafe")
             else:
                 req.out.copy_(t.reshape(req.out.shape))
             req.handle._result = req.out
         elif isinstance(user, np.ndarray):
-            req.handle._result = t.cpu().numpy()
+            req.handle._result = self._numpy(t)
         else:
             req.handle._result = t
 
@@ -139,7 +154,7 @@ class TorchBackend:
         if op == ReduceOp.AVERAGE and n_contrib != 1:
             buf.div_(n_contrib, rounding_mode="floor")
         if postscale != 1.0:
-            buf.copy_(buf * postscale)
+            self._scale(buf, postscale)
 
     def _identity(self, op: ReduceOp, dtype: Any) -> Any:
         torch = self.torch
@@ -174,10 +189,10 @@ class TorchBackend:
             if req is None:
                 part.fill_(self._identity(op, red))
             else:
-                part.copy_(self._tensor(req.tensor).reshape(-1))
+                part.copy_(self._tensor(req.tensor, ann.dtype).reshape(-1))
             off += n
         if ann0.prescale != 1.0:
-            buf.mul_(ann0.prescale)
+            self._scale(buf, ann0.prescale)
         t1 = now_us() if tl else 0.0
         dist.all_reduce(buf, op=self._dist_op(op, ann0.dtype), group=self.group)
         t2 = now_us() if tl else 0.0
@@ -209,7 +224,7 @@ class TorchBackend:
         most = max(rows)
         send = torch.zeros((most,) + tail, dtype=dt, device=dev)
         if req is not None and rows[self.rank]:
-            send[:rows[self.rank]].copy_(self._tensor(req.tensor).reshape((rows[self.rank],) + tail).to(dt))
+            send[:rows[self.rank]].copy_(self._tensor(req.tensor, ann0.dtype).reshape((rows[self.rank],) + tail).to(dt))
         recv = [torch.empty_like(send) for _ in range(self.size)]
         t0 = now_us() if self.tl.active else 0.0
         dist.all_gather(recv, send, group=self.group)
@@ -229,7 +244,7 @@ class TorchBackend:
         dev = torch.device("cuda", torch.cuda.current_device()) if ann0.device == "cuda" else torch.device("cpu")
         dt = torch.uint8 if ann0.dtype == "bool" else self._dtype(ann0.dtype)
         if self.rank == root:
-            buf = self._tensor(req.tensor).reshape(shape).to(dt).clone()
+            buf = self._tensor(req.tensor, ann0.dtype).reshape(shape).to(dt).clone()
         else:
             buf = torch.empty(shape, dtype=dt, device=dev)
         t0 = now_us() if self.tl.active else 0.0
@@ -243,7 +258,7 @@ class TorchBackend:
         torch, dist = self.torch, self.dist
         ann0 = anns[self.rank]
         dt = torch.uint8 if ann0.dtype == "bool" else self._dtype(ann0.dtype)
-        send = self._tensor(req.tensor).to(dt).contiguous()
+        send = self._tensor(req.tensor, ann0.dtype).to(dt).contiguous()
         send_rows = list(ann0.splits)
         recv_rows = [anns[r].splits[self.rank] for r in range(self.size)]
         out = torch.empty((sum(recv_rows),) + tuple(ann0.shape[1:]), dtype=dt, device=send.device)
@@ -260,11 +275,11 @@ class TorchBackend:
         """Allreduce, then keep this rank's rows (gloo has no reduce_scatter)."""
         ann0 = anns[self.rank]
         op = ReduceOp(ann0.op)
-        t = self._tensor(req.tensor)
+        t = self._tensor(req.tensor, ann0.dtype)
         red = self._red_dtype(ann0.dtype, ann0.device)
         buf = t.to(red).clone().reshape(-1)
         if ann0.prescale != 1.0:
-            buf.mul_(ann0.prescale)
+            self._scale(buf, ann0.prescale)
         t0 = now_us() if self.tl.active else 0.0
         self.dist.all_reduce(buf, op=self._dist_op(op, ann0.dtype), group=self.group)
         if self.tl.active:
