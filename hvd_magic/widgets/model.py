@@ -154,21 +154,43 @@ def compact_events(events: Iterable[Sequence[Any]], max_spans: int = 400) -> Tup
     are dropped. ``busy_us`` is the union of all phases (time with a collective in flight),
     computed before the newest ``max_spans`` spans are kept.
     """
-    by_phase: Dict[str, List[Tuple[float, float, str]]] = {}
+    spans, busy, _cut = compact_tail(events, max_spans)
+    return spans, busy
+
+
+def compact_tail(events: Iterable[Sequence[Any]], max_spans: int = 400
+                 ) -> Tuple[List[Span], float, Optional[float]]:
+    """:func:`compact_events` for the engine's telemetry: (spans, busy_us, cut_us).
+
+    ``busy_us`` covers every event; spans are built only from the newest events (the merge
+    and the labels are the costly part, and all but the newest ``max_spans`` spans would be
+    dropped anyway). ``cut_us`` is the start of the first kept span when older ones were
+    left out (the receiver then draws no compute up to it), else None.
+    """
+    timed: List[Tuple[float, float, str, str]] = []
     for ev in events:
-        _rank, tensor, phase, start, dur = ev[0], ev[1], ev[2], ev[3], ev[4]
+        dur, phase = ev[4], ev[2]
         if dur is None or phase == "CYCLE_START":
             continue
-        by_phase.setdefault(phase, []).append((float(start), float(start) + float(dur), str(tensor)))
+        s = float(ev[3])
+        timed.append((s, s + float(dur), phase, ev[1]))
+    busy = _union_length(timed)
+    dropped = False
+    if max_spans and len(timed) > 4 * max_spans:
+        timed.sort()
+        timed = timed[-4 * max_spans:]
+        dropped = True
+    by_phase: Dict[str, List[Tuple[float, float, str]]] = {}
+    for s, e, phase, tensor in timed:
+        by_phase.setdefault(phase, []).append((s, e, str(tensor)))
     spans: List[Span] = []
-    everything: List[Tuple[float, float]] = []
     for phase, items in by_phase.items():
         items.sort()
         cur: Optional[List[Any]] = None
         for s, e, tensor in items:
-            everything.append((s, e))
             if cur is not None and s <= cur[1]:
-                cur[1] = max(cur[1], e)
+                if e > cur[1]:
+                    cur[1] = e
                 cur[2].append(tensor)
             else:
                 if cur is not None:
@@ -177,9 +199,30 @@ def compact_events(events: Iterable[Sequence[Any]], max_spans: int = 400) -> Tup
         if cur is not None:
             spans.append((cur[0], cur[1], phase, _label(cur[2])))
     spans.sort()
-    busy = sum(e - s for s, e in merge_intervals(everything))
-    return spans[-max_spans:] if max_spans else spans, busy
+    if max_spans and len(spans) > max_spans:
+        spans = spans[-max_spans:]
+        dropped = True
+    cut = spans[0][0] if dropped and spans else None
+    return spans, busy, cut
 
+
+def _union_length(intervals: List[Tuple[float, float, str, str]]) -> float:
+    """Total length of the union of ``(start, end, ...)`` intervals."""
+    if not intervals:
+        return 0.0
+    total = 0.0
+    cur_s = cur_e = None
+    for item in sorted(intervals):
+        s, e = item[0], item[1]
+        if cur_e is not None and s <= cur_e:
+            if e > cur_e:
+                cur_e = e
+        else:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+    total += cur_e - cur_s
+    return total
 
 
 def _label(tensors: List[str]) -> str:

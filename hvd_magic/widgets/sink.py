@@ -148,6 +148,16 @@ class CellFeed(threading.Thread):
             self.join(2.0)
 
 
+def telemetry_interval() -> float:
+    """Seconds between telemetry batches: ``HVD_MAGIC_TELEMETRY_INTERVAL`` (default 0.25),
+    read when a cell starts."""
+    try:
+        value = float(os.environ.get("HVD_MAGIC_TELEMETRY_INTERVAL", "0.25"))
+    except ValueError:
+        value = 0.25
+    return value if value > 0 else 0.25
+
+
 def _enable_telemetry(pool: Any, interval: float) -> None:
     if getattr(pool, "_hvdm_telemetry", None) == interval:
         return
@@ -157,8 +167,11 @@ def _enable_telemetry(pool: Any, interval: float) -> None:
 
 
 def run_cell(pool: Any, code: str, sink: Any, ranks: Optional[Sequence[int]] = None,
-             timeout: Optional[float] = None, interval: float = 0.25) -> Any:
+             timeout: Optional[float] = None, interval: Optional[float] = None) -> Any:
     """``pool.run_cell`` with live telemetry for sinks that want it (``sink.live``).
+
+    ``interval``: seconds between the ranks' telemetry batches (default
+    ``HVD_MAGIC_TELEMETRY_INTERVAL``, 0.25).
 
     The one call the ``%%hvd`` magic makes instead of ``pool.run_cell``; for other sinks it
     is exactly ``pool.run_cell``.
@@ -166,7 +179,7 @@ def run_cell(pool: Any, code: str, sink: Any, ranks: Optional[Sequence[int]] = N
     run = pool.run_cell
     if not getattr(sink, "live", False) or getattr(sink, "feed", None) is not None:
         return run(code, sink, ranks=ranks, timeout=timeout)
-    _enable_telemetry(pool, interval)
+    _enable_telemetry(pool, telemetry_interval() if interval is None else interval)
     targets = pool.targets(ranks)
     sink.begin(targets, baseline_for(code), pool.size)
     feed = CellFeed(pool.client, len(pool.client.history), sink)
@@ -458,22 +471,25 @@ class WidgetSink:
             w.value = value
 
     def _stream_rows(self, rows: List[Any]) -> None:
+        """Append rows to the bokeh source as numpy columns: bokeh sends numeric arrays as
+        binary buffers and string arrays as plain lists, where Python lists cost one
+        serializer call per value (that was most of the kernel's CPU in a fast cell)."""
+        import numpy as np
+        rows = rows[-self.rollover:]
         t0 = self._t0_us or min(s[0] for _r, s in rows)
-        new: Dict[str, List[Any]] = {k: [] for k in ("left", "right", "bottom", "top", "rank",
-                                                    "phase", "group", "color", "label", "ms")}
-        for r, (s, e, phase, label) in rows[-self.rollover:]:
-            grp = phase_group(phase)
-            h = 0.15 if phase == "COMPUTE" else 0.4
-            new["left"].append((s - t0) / 1e6)
-            new["right"].append((e - t0) / 1e6)
-            new["bottom"].append(r - h)
-            new["top"].append(r + h)
-            new["rank"].append(r)
-            new["phase"].append(phase)
-            new["group"].append(grp)
-            new["color"].append(GROUP_COLOR[grp])
-            new["label"].append(label)
-            new["ms"].append((e - s) / 1e3)
+        ranks = np.fromiter((r for r, _s in rows), dtype=np.int32, count=len(rows))
+        start = np.fromiter((s[0] for _r, s in rows), dtype=np.float64, count=len(rows))
+        end = np.fromiter((s[1] for _r, s in rows), dtype=np.float64, count=len(rows))
+        phases = [s[2] for _r, s in rows]
+        groups = [phase_group(p) for p in phases]
+        half = np.where(np.array([p == "COMPUTE" for p in phases], dtype=bool), 0.15, 0.4)
+        new: Dict[str, Any] = {
+            "left": (start - t0) / 1e6, "right": (end - t0) / 1e6,
+            "bottom": ranks - half, "top": ranks + half, "rank": ranks,
+            "phase": np.array(phases, dtype=str), "group": np.array(groups, dtype=str),
+            "color": np.array([GROUP_COLOR[g] for g in groups], dtype=str),
+            "label": np.array([s[3] for _r, s in rows], dtype=str),
+            "ms": (end - start) / 1e3}
         self.source.stream(new, rollover=self.rollover)
 
     def _set_ranks(self, ranks: Sequence[int]) -> None:

@@ -21,7 +21,7 @@ import time
 from collections import deque
 from typing import Any, Optional
 
-MAX_SPANS = int(os.environ.get("HVD_MAGIC_TELEMETRY_MAX_SPANS", "600"))   # per batch
+MAX_SPANS = int(os.environ.get("HVD_MAGIC_TELEMETRY_MAX_SPANS", "200"))   # per batch; 0: all
 INTERVAL = float(os.environ.get("HVD_MAGIC_TELEMETRY_INTERVAL", "0.25"))
 
 _samples = 0
@@ -106,14 +106,10 @@ class _Telemetry:
                     pass
 
     def batch(self, status: str, error: str = "") -> dict:
-        from .model import compact_events
+        from .model import compact_tail
         q = self.events
         events = [q.popleft() for _ in range(len(q))]
-        spans, busy = compact_events(events, max_spans=0)
-        cut = None
-        if len(spans) > MAX_SPANS:
-            spans = spans[-MAX_SPANS:]
-            cut = spans[0][0]
+        spans, busy, cut = compact_tail(events, MAX_SPANS)
         pending: list = []
         if status == "running":
             try:
