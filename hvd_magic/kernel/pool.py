@@ -252,6 +252,9 @@ class Pool:
             raise PoolError(f"the pool is gone ({self.ended}); the next %%hvd cell starts a "
                             "new one")
         ar = self.client[targets].execute(code, silent=False, block=False)
+        submitted = getattr(sink, "submitted", None)
+        if submitted is not None:
+            submitted(ar)           # live sinks read the cell's telemetry from its metadata
         poke: "queue.SimpleQueue[int]" = queue.SimpleQueue()
         for fut in ar._children:
             fut.iopub_callbacks.append(lambda _msg: poke.put(1))

@@ -158,14 +158,16 @@ def compact_events(events: Iterable[Sequence[Any]], max_spans: int = 400) -> Tup
     return spans, busy
 
 
-def compact_tail(events: Iterable[Sequence[Any]], max_spans: int = 400
-                 ) -> Tuple[List[Span], float, Optional[float]]:
+def compact_tail(events: Iterable[Sequence[Any]], max_spans: int = 400,
+                 since_us: Optional[float] = None) -> Tuple[List[Span], float, Optional[float]]:
     """:func:`compact_events` for the engine's telemetry: (spans, busy_us, cut_us).
 
     ``busy_us`` covers every event; spans are built only from the newest events (the merge
     and the labels are the costly part, and all but the newest ``max_spans`` spans would be
     dropped anyway). ``cut_us`` is the start of the first kept span when older ones were
-    left out (the receiver then draws no compute up to it), else None.
+    left out (the receiver then draws no compute up to it), else None. With ``since_us``
+    (events collected from that time on), events that ended before it are dropped and busy
+    time counts only from it.
     """
     timed: List[Tuple[float, float, str, str]] = []
     for ev in events:
@@ -173,8 +175,14 @@ def compact_tail(events: Iterable[Sequence[Any]], max_spans: int = 400
         if dur is None or phase == "CYCLE_START":
             continue
         s = float(ev[3])
-        timed.append((s, s + float(dur), phase, ev[1]))
-    busy = _union_length(timed)
+        e = s + float(dur)
+        if since_us is not None and e < since_us:
+            continue
+        timed.append((s, e, phase, ev[1]))
+    if since_us is None:
+        busy = _union_length(timed)
+    else:
+        busy = _union_length([(max(s, since_us), e, p, t) for s, e, p, t in timed])
     dropped = False
     if max_spans and len(timed) > 4 * max_spans:
         timed.sort()
@@ -368,7 +376,9 @@ class RankState:
     t0: Optional[float] = None         # cell start on this rank (s, wall clock)
     t_last: Optional[float] = None     # time of the latest batch
     seq: int = -1
-    busy_window: Deque[Tuple[float, float]] = field(default_factory=deque)   # (t, busy_us total)
+    sampled_us: float = 0.0            # time the busy measurement covers (all, or windows)
+    busy_window: Deque[Tuple[float, float, float]] = field(default_factory=deque)
+    # (t, busy_us total, sampled_us total)
 
 
 class CellState:
@@ -423,9 +433,14 @@ class CellState:
         if st.t0 is None and batch.get("t0") is not None:
             st.t0 = float(batch["t0"])
             self.track.start(r, st.t0 * 1e6)
+        prev = st.t_last if st.t_last is not None else st.t0
         st.t_last = now
         st.busy_us += float(batch.get("busy_us", 0.0))
-        st.busy_window.append((now, st.busy_us))
+        sampled = batch.get("sampled_us")
+        if sampled is None:            # the whole time since the previous batch
+            sampled = max(now - prev, 0.0) * 1e6 if prev is not None else 0.0
+        st.sampled_us += float(sampled)
+        st.busy_window.append((now, st.busy_us, st.sampled_us))
         while len(st.busy_window) > 2 and st.busy_window[0][0] < now - self.window:
             st.busy_window.popleft()
         if batch.get("samples_t") is not None:
@@ -481,13 +496,11 @@ class CellState:
         """Per rank: share of time with a collective in flight (recent window, or whole cell)."""
         out: Dict[int, Optional[float]] = {}
         for r, st in self.rank.items():
-            if self.finished and st.t0 is not None and st.t_last is not None:
-                out[r] = comm_fraction(st.busy_us, (st.t_last - st.t0) * 1e6)
-            elif len(st.busy_window) >= 2:
-                (t0, b0), (t1, b1) = st.busy_window[0], st.busy_window[-1]
-                out[r] = comm_fraction(b1 - b0, (t1 - t0) * 1e6)
-            elif st.t0 is not None and st.t_last is not None:
-                out[r] = comm_fraction(st.busy_us, (st.t_last - st.t0) * 1e6)
+            if len(st.busy_window) >= 2 and not self.finished:
+                (_t0, b0, s0), (_t1, b1, s1) = st.busy_window[0], st.busy_window[-1]
+                out[r] = comm_fraction(b1 - b0, s1 - s0)
+            elif st.sampled_us > 0:
+                out[r] = comm_fraction(st.busy_us, st.sampled_us)
             else:
                 out[r] = None
         return out

@@ -106,12 +106,22 @@ class CellFeed(threading.Thread):
     ["data"]``; the cell's msg_ids are those added to ``client.history`` after ``mark``.
     """
 
-    def __init__(self, client: Any, mark: int, sink: Any, period: float = 0.1) -> None:
+    def __init__(self, client: Any, mark: int, sink: Any, period: float = 0.25) -> None:
         super().__init__(name="hvdm-feed", daemon=True)
         self.client, self.mark, self.sink, self.period = client, mark, sink, period
         self.seen: set = set()
         self.stopping = threading.Event()
         self.batches = 0
+        # The cell's metadata dicts, held here: ipyparallel drops them from client.metadata
+        # once the cell's output is complete, which can be before the last drain.
+        self.mds: Dict[str, Any] = {}
+
+    def pin(self, ar: Any) -> None:
+        """The cell's AsyncResult, right after it was submitted (``Pool.run_cell``)."""
+        try:
+            self.mds.update(zip(ar.msg_ids, ar._metadata))
+        except Exception:  # noqa: BLE001 - falls back to client.metadata
+            pass
 
     def drain(self) -> int:
         """Hand new batches to the sink now (any thread); returns how many."""
@@ -121,7 +131,11 @@ class CellFeed(threading.Thread):
         except Exception:  # noqa: BLE001 - client closed
             return 0
         for mid in ids:
-            md = self.client.metadata.get(mid)
+            md = self.mds.get(mid)
+            if md is None:
+                md = self.client.metadata.get(mid)
+                if md is not None:
+                    self.mds[mid] = md
             data = md.get("data") if md is not None else None
             if not data:
                 continue
@@ -158,12 +172,27 @@ def telemetry_interval() -> float:
     return value if value > 0 else 0.25
 
 
+#: Seconds to wait for the ranks to switch their telemetry on or off.
+SWITCH_TIMEOUT = 30.0
+
+
 def _enable_telemetry(pool: Any, interval: float) -> None:
     if getattr(pool, "_hvdm_telemetry", None) == interval:
         return
     from . import telemetry
-    pool.client[:].apply_sync(telemetry.enable, interval)
+    pool.client[:].apply_async(telemetry.enable, interval).get(SWITCH_TIMEOUT)
     pool._hvdm_telemetry = interval
+
+
+def _disable_telemetry(pool: Any) -> None:
+    """A cell without a live sink (``--no-stream``): the ranks stop their per-cell
+    telemetry (timeline subscription, batch thread) until a live cell turns it on again.
+    One round trip, only when the mode changes."""
+    if getattr(pool, "_hvdm_telemetry", None) is None:
+        return
+    from . import telemetry
+    pool.client[:].apply_async(telemetry.disable).get(SWITCH_TIMEOUT)
+    pool._hvdm_telemetry = None
 
 
 def run_cell(pool: Any, code: str, sink: Any, ranks: Optional[Sequence[int]] = None,
@@ -177,7 +206,10 @@ def run_cell(pool: Any, code: str, sink: Any, ranks: Optional[Sequence[int]] = N
     is exactly ``pool.run_cell``.
     """
     run = pool.run_cell
-    if not getattr(sink, "live", False) or getattr(sink, "feed", None) is not None:
+    if not getattr(sink, "live", False):
+        _disable_telemetry(pool)
+        return run(code, sink, ranks=ranks, timeout=timeout)
+    if getattr(sink, "feed", None) is not None:
         return run(code, sink, ranks=ranks, timeout=timeout)
     _enable_telemetry(pool, telemetry_interval() if interval is None else interval)
     targets = pool.targets(ranks)
@@ -226,6 +258,11 @@ class TelemetryTextSink(TextSink):
     def begin(self, ranks: Sequence[int], baseline: Optional[float], size: int) -> None:
         self.cell = CellState(ranks, baseline)
         LAST["cell"] = self.cell
+
+    def submitted(self, ar: Any) -> None:
+        """``Pool.run_cell`` sent the cell (``ar``: its AsyncResult)."""
+        if self.feed is not None:
+            self.feed.pin(ar)
 
     def ingest(self, batches: Sequence[Mapping[str, Any]]) -> None:
         with self.lock:
@@ -376,7 +413,7 @@ class WidgetSink:
         p.legend.label_text_font_size = "9pt"
         p.add_layout(p.legend[0], "above")          # outside the rows
         self.plot = p
-        self.plot_w = BokehModel(p)
+        self.plot_w = _one_message_model(BokehModel)(p)
 
     # -- OutputSink protocol (kernel main thread)
     def status(self, text: str) -> None:
@@ -426,6 +463,11 @@ class WidgetSink:
             LAST["sink"] = self
         self._set_ranks(ranks)
         self.render()
+
+    def submitted(self, ar: Any) -> None:
+        """``Pool.run_cell`` sent the cell (``ar``: its AsyncResult)."""
+        if self.feed is not None:
+            self.feed.pin(ar)
 
     def ingest(self, batches: Sequence[Mapping[str, Any]]) -> None:
         with self.lock:
@@ -552,6 +594,46 @@ class WidgetSink:
             text = (logs + "\n" if logs else "") + self.cell.summary_text()
         self.snapshot.update({"text/html": snap, "text/plain": text}, raw=True)
         _drop_bokeh_loader()
+
+
+_MODEL_CLS: Dict[Any, Any] = {}
+
+
+def _one_message_model(base: Any) -> Any:
+    """jupyter_bokeh's ``BokehModel`` whose document patches carry numpy columns inline
+    (base64) instead of as separate binary buffers: a streamed batch of timeline rows is one
+    patch of 3 comm messages instead of 3 + 2 per numeric column (15 here). Every comm
+    message wakes threads in the kernel and the front end, which share the cores with the
+    ranks. Falls back to jupyter_bokeh's own sending if bokeh's internals differ."""
+    cls = _MODEL_CLS.get(base)
+    if cls is not None:
+        return cls
+
+    class HvdBokehModel(base):  # type: ignore[misc, valid-type]
+        def _document_patched(self, event: Any) -> None:
+            if event.setter is self:
+                return
+            try:
+                msg = _inline_patch(event)
+            except Exception:  # noqa: BLE001 - another bokeh: its own way
+                return base._document_patched(self, event)
+            self.send({"msg": "patch", "payload": msg.header_json})
+            self.send({"msg": "patch", "payload": msg.metadata_json})
+            self.send({"msg": "patch", "payload": msg.content_json})
+
+    _MODEL_CLS[base] = HvdBokehModel
+    return HvdBokehModel
+
+
+def _inline_patch(event: Any) -> Any:
+    """bokeh's PATCH-DOC message for ``event`` with binary data inline (no buffers)."""
+    from bokeh.core.serialization import Serializer
+    from bokeh.protocol.messages.patch_doc import PatchJson, patch_doc
+    doc = event.document
+    serializer = Serializer(references=doc.models.synced_references, deferred=False)
+    patch_json = PatchJson(events=serializer.encode([event]))
+    doc.models.flush_synced(lambda model: not serializer.has_ref(model))
+    return patch_doc(patch_doc.create_header(), {}, patch_json)
 
 
 class _Raw(dict):

@@ -48,29 +48,57 @@ class _Telemetry:
         self.thread: Optional[threading.Thread] = None
         self.rank = 0
         self.stall_s = 60.0
-        self.wake = threading.Event()
+        self.wake = threading.Event()     # set while a cell runs: the batch thread waits on it
+        self.kick = threading.Event()     # cuts the batch thread's wait short (new interval)
+        self.hooked = False               # pre/post registered with IPython
+        self.sent = 0                     # batches sent in the current cell
+        self.subscribe_fn: Any = None     # hvd.subscribe of the running cell (None: no hvd)
+        self.since: Optional[float] = None    # start of what the collected events cover
+        self.window: Optional[float] = None   # seconds subscribed before a batch; None: all
 
     # engine thread of the runtime: keep it trivial
     def on_events(self, events: list) -> None:
         self.events.extend(events)
 
+    # subscription: full while events are few, a window before each batch when they are many
+    def _subscribe(self) -> None:
+        if self.unsub is None and self.subscribe_fn is not None:
+            try:
+                self.unsub = self.subscribe_fn(self.on_events)
+            except Exception:  # noqa: BLE001 - telemetry must never break a cell
+                self.unsub = None
+            self.since = time.time()
+
+    def _unsubscribe(self) -> None:
+        if self.unsub is not None:
+            try:
+                self.unsub()
+            except Exception:  # noqa: BLE001
+                pass
+            self.unsub = None
+
     def pre(self, *_a: Any) -> None:
         global _samples, _samples_t
+        self.subscribe_fn = None
         try:
             import hvd_magic.collectives as hvd
             from hvd_magic.collectives import state
             if hvd.is_initialized():
                 self.rank = hvd.rank()
-                self.unsub = hvd.subscribe(self.on_events)
+                self.subscribe_fn = hvd.subscribe
                 cfg = getattr(state.engine(), "cfg", None)
                 if cfg is not None and cfg.stall_check_s > 0:
                     self.stall_s = cfg.stall_check_s
         except Exception:  # noqa: BLE001 - telemetry must never break a cell
-            self.unsub = None
+            self.subscribe_fn = None
         with self.lock:
             self.events.clear()
             _samples, _samples_t = 0, None
             self.t0 = time.time()
+            self.sent = 0
+            self.window = None
+            self.since = None
+            self._subscribe()
             self.running = True
         # No batch now: the client shows "running" from the cell's start, the periodic thread
         # sends the first batch after one interval, and a short cell sends only its final
@@ -78,27 +106,40 @@ class _Telemetry:
         if self.thread is None or not self.thread.is_alive():
             self.thread = threading.Thread(target=self._loop, name="hvdm-telemetry", daemon=True)
             self.thread.start()
+        self.wake.set()
 
     def post(self, result: Any = None) -> None:
         if not self.running:
             return
-        if self.unsub is not None:
-            try:
-                self.unsub()
-            except Exception:  # noqa: BLE001
-                pass
-            self.unsub = None
         err = getattr(result, "error_in_exec", None) or getattr(result, "error_before_exec", None)
         with self.lock:
+            self._unsubscribe()
             self.running = False
+            self.wake.clear()
+            # A cell that sent nothing yet and has nothing to say (no collective, no samples,
+            # no error) sends no final batch either: the client marks it done from the
+            # execute reply, and an empty cell costs one message less each way.
+            empty = self.sent == 0 and not self.events and _samples_t is None
         if err is not None:
             self.send("failed", f"{type(err).__name__}: {err}")
-        else:
+        elif not empty:
             self.send("done")
 
     def _loop(self) -> None:
+        # Sleeps only while a cell runs (no wake-ups between cells). While the timeline is
+        # sampled (``self.window``), it subscribes ``window`` s before each batch.
         while True:
-            time.sleep(self.interval)
+            self.wake.wait()
+            window = self.window
+            if window is None:
+                self.kick.wait(self.interval)
+            else:
+                self.kick.wait(max(self.interval - window, 0.0))
+                with self.lock:
+                    if self.running:
+                        self._subscribe()
+                self.kick.wait(window)
+            self.kick.clear()
             if self.running:
                 try:
                     self.send("running")
@@ -109,7 +150,21 @@ class _Telemetry:
         from .model import compact_tail
         q = self.events
         events = [q.popleft() for _ in range(len(q))]
-        spans, busy, cut = compact_tail(events, MAX_SPANS)
+        now = time.time()
+        since = self.since
+        if since is None:                    # not subscribed: no timeline in this batch
+            spans, busy, cut, covered = [], 0.0, None, 0.0
+        else:
+            spans, busy, cut = compact_tail(events, MAX_SPANS, since_us=since * 1e6)
+            covered = max(now - since, 0.0)
+            if self.window is not None:     # sampled: nothing is known before the window
+                cut = since * 1e6 if cut is None else max(cut, since * 1e6)
+            self._adapt(len(events), covered)
+        if status == "running" and self.window is not None:
+            self._unsubscribe()              # until the next window
+            self.since = None
+        else:
+            self.since = now if self.unsub is not None else None
         pending: list = []
         if status == "running":
             try:
@@ -119,16 +174,35 @@ class _Telemetry:
             except Exception:  # noqa: BLE001
                 pass
         self.seq += 1
-        return {"rank": self.rank, "seq": self.seq, "t": time.time(), "t0": self.t0,
+        return {"rank": self.rank, "seq": self.seq, "t": now, "t0": self.t0,
                 "status": status, "error": error, "samples": _samples, "samples_t": _samples_t,
-                "spans": spans, "cut_us": cut, "busy_us": busy, "pending": pending, "stall_s": self.stall_s}
+                "spans": spans, "cut_us": cut, "busy_us": busy, "sampled_us": covered * 1e6,
+                "pending": pending, "stall_s": self.stall_s}
+
+    def _adapt(self, n_events: int, covered: float) -> None:
+        """Sample the timeline when it is busy: a cell whose events would fill more than twice
+        the ``MAX_SPANS`` a batch carries subscribes only for the part of each interval that
+        fills them (at least 10 ms). Busy time (the communication share) is then measured
+        over those windows, the spans shown are the windows' (each marked as a cut), and the
+        runtime does its timeline bookkeeping a fraction of the time. Few events: the
+        subscription stays on the whole cell, every event counts."""
+        if MAX_SPANS <= 0 or covered < 0.005:
+            return
+        per_interval = n_events / covered * self.interval
+        if per_interval > 2 * MAX_SPANS:
+            self.window = min(max(self.interval * MAX_SPANS / per_interval, 0.01), self.interval)
+        elif self.window is not None and per_interval < MAX_SPANS:
+            self.window = None
 
     def send(self, status: str, error: str = "") -> None:
         with self.lock:
             if status == "running" and not self.running:
                 return
             b = self.batch(status, error)
+            self.sent += 1
             _publish({f"hvdm.{b['rank']}.{b['seq']}": b})
+            if status == "running" and self.window is None and self.unsub is None:
+                self._subscribe()            # back to the whole interval
 
 
 def _publish(data: dict) -> None:
@@ -148,25 +222,32 @@ def enable(interval: float = INTERVAL) -> str:
         return "no IPython here"
     if _T is None:
         _T = _Telemetry(interval)
+    if not _T.hooked:
         ip.events.register("pre_run_cell", _T.pre)
         ip.events.register("post_run_cell", _T.post)
-    _T.interval = interval
+        _T.hooked = True
+    if _T.interval != interval:
+        _T.interval = interval
+        _T.kick.set()
     return "ok"
 
 
 def disable() -> str:
-    """Undo :func:`enable`."""
-    global _T
+    """Undo :func:`enable` (``--no-stream`` cells): no subscription, no batches. The
+    telemetry object and its idle thread stay for the next :func:`enable`."""
     from IPython import get_ipython
     ip = get_ipython()
-    if _T is not None and ip is not None:
+    if _T is not None and ip is not None and _T.hooked:
         for name, fn in (("pre_run_cell", _T.pre), ("post_run_cell", _T.post)):
             try:
                 ip.events.unregister(name, fn)
             except ValueError:
                 pass
-        _T.running = False
-        _T = None
+        _T.hooked = False
+    if _T is not None:
+        with _T.lock:
+            _T.running = False
+            _T.wake.clear()
     return "ok"
 
 
