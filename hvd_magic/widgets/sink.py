@@ -4,11 +4,12 @@
   :class:`TelemetryTextSink` (terminal IPython, no ipywidgets): both implement
   :class:`hvd_magic.kernel.output.OutputSink`.
 * :func:`run_cell` wraps ``Pool.run_cell``: turns telemetry on in the ranks (once per pool),
-  starts a :class:`CellFeed` thread that reads the cell's ``data_message`` batches from the
+  makes a :class:`CellFeed` that reads the cell's ``data_message`` batches from the
   ipyparallel client's metadata and hands them to the sink, and shows failures in the sink.
 
-UI updates happen on the feed thread (at most every ``refresh`` s) under the sink's lock;
-the kernel's main thread (the pool's output pump) only appends to buffers.
+UI updates happen under the sink's lock, at most every ``refresh`` s, on the kernel's main
+thread: the pool's wait loop calls ``sink.poll()`` (the feed's drain and tick) and hands
+output to the sink as it arrives.
 """
 from __future__ import annotations
 
@@ -115,6 +116,7 @@ class CellFeed(threading.Thread):
         # The cell's metadata dicts, held here: ipyparallel drops them from client.metadata
         # once the cell's output is complete, which can be before the last drain.
         self.mds: Dict[str, Any] = {}
+        self._next = time.monotonic() + period
 
     def pin(self, ar: Any) -> None:
         """The cell's AsyncResult, right after it was submitted (``Pool.run_cell``)."""
@@ -147,6 +149,20 @@ class CellFeed(threading.Thread):
             self.batches += len(new)
             self.sink.ingest(new)
         return len(new)
+
+    def poll(self) -> None:
+        """Drain and tick at most every ``period`` s: called by ``Pool.run_cell``'s wait loop
+        on the kernel's main thread (woken by every message from the ranks, at least every
+        50 ms), so a cell needs no feed thread of its own."""
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + self.period
+        try:
+            self.drain()
+            self.sink.tick()
+        except Exception as exc:  # noqa: BLE001 - never kill the cell for the UI
+            LAST["feed_error"] = repr(exc)
 
     def run(self) -> None:
         while not self.stopping.wait(self.period):
@@ -214,9 +230,10 @@ def run_cell(pool: Any, code: str, sink: Any, ranks: Optional[Sequence[int]] = N
     _enable_telemetry(pool, telemetry_interval() if interval is None else interval)
     targets = pool.targets(ranks)
     sink.begin(targets, baseline_for(code), pool.size)
+    # The feed runs from the pool's wait loop (sink.poll), not on a thread of its own: no
+    # thread to start and join for every cell.
     feed = CellFeed(pool.client, len(pool.client.history), sink)
     sink.feed = feed
-    feed.start()
     t0 = time.time()
     try:
         outcome = run(code, sink, ranks=ranks, timeout=timeout)
@@ -263,6 +280,11 @@ class TelemetryTextSink(TextSink):
         """``Pool.run_cell`` sent the cell (``ar``: its AsyncResult)."""
         if self.feed is not None:
             self.feed.pin(ar)
+
+    def poll(self) -> None:
+        """``Pool.run_cell``'s wait loop: new telemetry, at most every feed period."""
+        if self.feed is not None:
+            self.feed.poll()
 
     def ingest(self, batches: Sequence[Mapping[str, Any]]) -> None:
         with self.lock:
@@ -468,6 +490,11 @@ class WidgetSink:
         """``Pool.run_cell`` sent the cell (``ar``: its AsyncResult)."""
         if self.feed is not None:
             self.feed.pin(ar)
+
+    def poll(self) -> None:
+        """``Pool.run_cell``'s wait loop: new telemetry, at most every feed period."""
+        if self.feed is not None:
+            self.feed.poll()
 
     def ingest(self, batches: Sequence[Mapping[str, Any]]) -> None:
         with self.lock:
