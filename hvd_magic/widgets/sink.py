@@ -107,7 +107,7 @@ class CellFeed(threading.Thread):
     ["data"]``; the cell's msg_ids are those added to ``client.history`` after ``mark``.
     """
 
-    def __init__(self, client: Any, mark: int, sink: Any, period: float = 0.25) -> None:
+    def __init__(self, client: Any, mark: int, sink: Any, period: float = 0.15) -> None:
         super().__init__(name="hvdm-feed", daemon=True)
         self.client, self.mark, self.sink, self.period = client, mark, sink, period
         self.seen: set = set()
@@ -365,7 +365,7 @@ class WidgetSink:
     live = True
 
     def __init__(self, ranks: Optional[Sequence[int]] = None, max_lines: int = 200,
-                 refresh: float = 0.25, rollover: int = 3000) -> None:
+                 refresh: float = 0.45, rollover: int = 3000) -> None:
         import ipywidgets as W
         from IPython.display import display
         self.W = W
