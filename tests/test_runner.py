@@ -97,6 +97,22 @@ def test_multi_host_openmpi_and_mpich():
     assert argv[argv.index("-iface") + 1] == "eth0"
 
 
+def test_multi_host_forwards_where_python_is():
+    """A remote shell starts with a bare environment: without PATH the other hosts cannot
+    find `python` (or find another one), so multi-host runs forward it and its friends."""
+    env = dict(BASE_ENV, PYTHONPATH="/code", VIRTUAL_ENV="/venv")
+    argv, out = plan(np=2, hosts=parse_hosts("node1:1,node2:1"), env=env)
+    forwarded = {argv[i + 1] for i, a in enumerate(argv) if a == "-x"}
+    assert {"PATH", "PYTHONPATH", "VIRTUAL_ENV"} <= forwarded
+    assert "LD_LIBRARY_PATH" not in forwarded                  # not set here: not forwarded
+    assert out["PATH"].split(":")[0] == "/venv/bin"
+    argv, _ = plan("mpich", np=2, hosts=parse_hosts("node1:1,node2:1"), env=env)
+    assert argv[argv.index("PATH") - 1:argv.index("PATH") + 2] == ["-genv", "PATH",
+                                                                    "/venv/bin:/usr/bin"]
+    argv, _ = plan(np=2, env=env)                              # one host: inherited anyway
+    assert "PATH" not in argv and "PYTHONPATH" not in argv
+
+
 def test_localhost_hosts_count_as_single_host():
     argv, env = plan(np=4, hosts=parse_hosts("localhost:2"), netns=True)
     assert env["OMPI_MCA_btl"] == "self,sm" and argv[1:4] == ["-m", "hvd_magic.runner.netns", "--"]

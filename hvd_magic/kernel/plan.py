@@ -44,9 +44,6 @@ NO_NAMESPACE = "no loopback-only network namespace for this pool"
 #: Unix socket paths must stay under this many bytes (sun_path is 108 bytes with the NUL).
 MAX_IPC_PATH = 100
 
-#: Variables the engines on other hosts need to find this Python and its packages.
-MULTIHOST_FORWARD = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "CONDA_PREFIX")
-
 
 @dataclass
 class PoolConfig:
@@ -194,11 +191,6 @@ def plan_pool(config: PoolConfig) -> PoolPlan:
     extra = dict(config.env)
     extra["IPP_CONNECTION_INFO"] = json.dumps(engine_info, sort_keys=True)
     extra["HVD_MAGIC_POOL"] = "1"
-    if not single:
-        for name in MULTIHOST_FORWARD:
-            value = config.env.get(name, config.environ.get(name))
-            if value:
-                extra[name] = value
     oversub = config.oversubscribe if config.oversubscribe is not None else not config.hosts
     engine_cmd = [py, "-m", "hvd_magic.kernel._engine"]
     if single:

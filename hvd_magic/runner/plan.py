@@ -21,6 +21,10 @@ LOCAL_NAMES: FrozenSet[str] = frozenset({"localhost", "127.0.0.1", "::1", "local
 #: Prefixes of environment variables forwarded to every rank (besides those the flags set).
 FORWARD_PREFIXES = ("HOROVOD_", "HVD_MAGIC_")
 
+#: Variables also forwarded on multi-host runs: the ranks on other hosts start from a remote
+#: shell's bare environment and must find the same Python and packages as this machine.
+MULTIHOST_FORWARD = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "CONDA_PREFIX")
+
 NETNS_NOTE = ("single-host runs start mpiexec and the ranks in a private network namespace "
               "with only loopback: no socket of the job is reachable from other machines, and "
               "the ranks cannot reach outside networks either (set HVD_MAGIC_NETNS=0 to turn "
@@ -182,7 +186,8 @@ def plan_launch(args: LaunchArgs, env: Mapping[str, str], mpi_impl: str, *,
         # `hvdrun ... python x.py` from an unactivated venv runs that venv's python
         out["PATH"] = bindir + (os.pathsep + path if path else "")
     forward = sorted(set(hvd) | set(args.extra_env)
-                     | {k for k in out if k.startswith(FORWARD_PREFIXES)} | {"PYTHONUNBUFFERED"})
+                     | {k for k in out if k.startswith(FORWARD_PREFIXES)} | {"PYTHONUNBUFFERED"}
+                     | (set() if single else {k for k in MULTIHOST_FORWARD if out.get(k)}))
     argv: List[str] = [mpiexec, "-n", str(args.np)]
     if mpi_impl == OPENMPI:
         out["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
