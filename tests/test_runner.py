@@ -97,6 +97,19 @@ def test_multi_host_openmpi_and_mpich():
     assert argv[argv.index("-iface") + 1] == "eth0"
 
 
+def test_network_interface_as_a_subnet():
+    """Open MPI takes subnets (and lists); NCCL/Gloo want interface names, MPICH one name."""
+    hosts = parse_hosts("node1:1,node2:1")
+    argv, env = plan(np=2, hosts=hosts, network_interface="10.0.0.0/24")
+    assert argv[argv.index("btl_tcp_if_include") + 1] == "10.0.0.0/24"
+    assert argv[argv.index("prte_if_include") + 1] == "10.0.0.0/24"
+    assert "NCCL_SOCKET_IFNAME" not in env and "GLOO_SOCKET_IFNAME" not in env
+    _, env = plan(np=2, hosts=hosts, network_interface="eth0,10.0.0.0/24,ib0,10.1.0.7")
+    assert env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "eth0,ib0"
+    with pytest.raises(ValueError, match="one interface name"):
+        plan("mpich", np=2, hosts=hosts, network_interface="10.0.0.0/24")
+
+
 def test_multi_host_forwards_where_python_is():
     """A remote shell starts with a bare environment: without PATH the other hosts cannot
     find `python` (or find another one), so multi-host runs forward it and its friends."""

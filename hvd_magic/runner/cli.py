@@ -82,7 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-filename", metavar="DIR",
                    help="write each rank's output to files under DIR")
     p.add_argument("--network-interface", metavar="IF",
-                   help="network interface for multi-host traffic, e.g. eth0")
+                   help="network for multi-host traffic: an interface name (eth0), or with "
+                        "Open MPI also a subnet (10.0.0.0/24) or a comma-separated list; "
+                        "Open MPI's daemons and TCP transport use only it, NCCL and Gloo get "
+                        "the interface names (NCCL/GLOO_SOCKET_IFNAME)")
     p.add_argument("--verbose", action="store_true",
                    help="print the mpiexec command and what it means")
     p.add_argument("--check-build", action="store_true",
@@ -181,6 +184,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     except MpiNotFoundError as exc:
         sys.stderr.write(f"hvdrun: {exc}\n")
         return 127
+    except ValueError as exc:              # what only this MPI cannot do
+        parser.error(str(exc))
     return execute(argv_, env)
 
 

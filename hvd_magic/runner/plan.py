@@ -5,6 +5,7 @@ inputs, so every flag's effect is unit-tested without MPI.
 """
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import sys
@@ -136,10 +137,26 @@ def horovod_env(args: LaunchArgs) -> Dict[str, str]:
         env["HOROVOD_CYCLE_TIME"] = f"{args.cycle_time_ms:g}"
     if args.stall_check_seconds is not None:
         env["HOROVOD_STALL_CHECK_TIME_SECONDS"] = f"{args.stall_check_seconds:g}"
-    if args.network_interface:
-        env["NCCL_SOCKET_IFNAME"] = args.network_interface
-        env["GLOO_SOCKET_IFNAME"] = args.network_interface
+    names = interface_names(args.network_interface or "")
+    if names:
+        env["NCCL_SOCKET_IFNAME"] = ",".join(names)
+        env["GLOO_SOCKET_IFNAME"] = ",".join(names)
     return env
+
+
+def interface_names(spec: str) -> List[str]:
+    """The interface names in a ``--network-interface`` value: it may also name subnets
+    (``10.0.0.0/24``) or addresses, which Open MPI takes but NCCL and Gloo do not."""
+    names = []
+    for item in spec.split(","):
+        item = item.strip()
+        if not item or "/" in item:
+            continue
+        try:
+            ipaddress.ip_address(item)
+        except ValueError:
+            names.append(item)
+    return names
 
 
 def validate(args: LaunchArgs) -> None:
@@ -219,7 +236,11 @@ def plan_launch(args: LaunchArgs, env: Mapping[str, str], mpi_impl: str, *,
             argv += ["-outfile-pattern", f"{base}/rank.%r.stdout",
                      "-errfile-pattern", f"{base}/rank.%r.stderr"]
         if args.network_interface and not single:
-            argv += ["-iface", args.network_interface]
+            if interface_names(args.network_interface) != [args.network_interface.strip()]:
+                raise ValueError(f"--network-interface {args.network_interface!r}: MPICH takes "
+                                 "one interface name, e.g. eth0 (subnets such as "
+                                 "10.0.0.0/24 work with Open MPI only)")
+            argv += ["-iface", args.network_interface.strip()]
         for name in forward:
             argv += ["-genv", name, out[name]]
     argv += list(args.command)
