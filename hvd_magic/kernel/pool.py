@@ -24,7 +24,7 @@ from .output import OutputSink, PoolCellError, PoolCellInterrupted, PoolCellTime
     RankDiedError, RankFailure, ranks_text
 from .plan import PoolConfig, PoolPlan, plan_pool
 from .procs import descendants, describe_exit, engine_pids, parse_rank_exits, spawn, \
-    stop_tree, tail
+    stop_tree, tail, wait_until
 
 IPP_HINT = ("the pool needs ipyparallel: `pip install ipyparallel` "
             "(or `pip install hvd_magic[notebook]`)")
@@ -214,6 +214,8 @@ class Pool:
 
     def stop(self) -> None:
         """Stop everything this pool started (idempotent); no process is left behind."""
+        if self.plan is not None and not self.plan.single_host:
+            self._end_remote_ranks()
         if self.client is not None:
             try:
                 self.client.close(linger=0)
@@ -230,6 +232,22 @@ class Pool:
         if self.config.workdir.startswith(_short_tmp()) and "hvdm-" in self.config.workdir:
             shutil.rmtree(self.config.workdir, ignore_errors=True)
         _POOLS.discard(self)
+
+    def _end_remote_ranks(self, grace: float = 3.0) -> None:
+        """Multi-host pools: let ``mpiexec`` end the ranks on every host while the controller
+        still runs. The nanny of a rank on another host (out of this machine's reach) tells
+        the controller that its engine ended and exits at once; with the controller already
+        gone it lingered about 3 s before giving up."""
+        proc = self.mpiexec
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(grace)
+        except Exception:  # noqa: BLE001 - still running: stop_tree kills it
+            return
+        if self.client is not None and self.controller is not None:
+            wait_until(lambda: not self.client.ids or self.controller.poll() is not None, 1.0)
 
     # ------------------------------------------------------------------ cells
     def targets(self, ranks: Optional[Sequence[int]]) -> List[int]:
