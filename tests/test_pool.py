@@ -119,6 +119,10 @@ def test_bad_sizes_are_refused_with_what_to_do(np, hosts, err):
 def test_oversubscription_can_be_allowed():
     plan = plan_pool(config(np=3, hosts=[Host("localhost", 2)], oversubscribe=True))
     assert plan.engine_env["PRTE_MCA_rmaps_default_mapping_policy"] == ":oversubscribe"
+    # several hosts: by slot, or Open MPI puts every rank on the first host
+    plan = plan_pool(config(np=3, hosts=[Host("n1", 1), Host("n2", 1)], oversubscribe=True,
+                            controller_ip="10.0.0.5", ports=list(range(5000, 5016))))
+    assert plan.engine_env["PRTE_MCA_rmaps_default_mapping_policy"] == "slot:oversubscribe"
 
 
 def test_too_long_socket_directory_is_refused():

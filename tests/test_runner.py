@@ -110,6 +110,14 @@ def test_network_interface_as_a_subnet():
         plan("mpich", np=2, hosts=hosts, network_interface="10.0.0.0/24")
 
 
+def test_multi_host_oversubscription_maps_by_slot():
+    hosts = parse_hosts("node1:1,node2:1")
+    with pytest.raises(ValueError, match="only 2 slots"):
+        plan(np=3, hosts=hosts)
+    _, env = plan(np=3, hosts=hosts, oversubscribe=True)
+    assert env["PRTE_MCA_rmaps_default_mapping_policy"] == "slot:oversubscribe"
+
+
 def test_multi_host_forwards_where_python_is():
     """A remote shell starts with a bare environment: without PATH the other hosts cannot
     find `python` (or find another one), so multi-host runs forward it and its friends."""

@@ -198,12 +198,11 @@ def plan_pool(config: PoolConfig) -> PoolPlan:
         # go straight to the engines' pids, which are local
         engine_cmd.append("--IPEngine.enable_nanny=False")
     largs = LaunchArgs(np=config.np, command=engine_cmd, hosts=config.hosts,
-                       hostfile=config.hostfile, extra_env=extra)
+                       hostfile=config.hostfile, extra_env=extra,
+                       oversubscribe=bool(oversub and not single))
     argv, env = plan_launch(largs, config.environ, config.mpi_impl, mpiexec=config.mpiexec,
                             mpi_version=config.mpi_version, netns=config.netns and single,
                             local_names=config.local_names, python=py)
-    if config.mpi_impl == OPENMPI and (oversub and not single):
-        env["PRTE_MCA_rmaps_default_mapping_policy"] = ":oversubscribe"
     if config.mpi_impl == OPENMPI and not oversub and single:
         env.pop("PRTE_MCA_rmaps_default_mapping_policy", None)
     notes: List[str] = []

@@ -61,6 +61,7 @@ class LaunchArgs:
     network_interface: Optional[str] = None
     verbose: bool = False
     extra_env: Dict[str, str] = field(default_factory=dict)
+    oversubscribe: bool = False             # hosts: allow more ranks than their slots
 
 
 def parse_hosts(spec: str) -> List[Host]:
@@ -173,7 +174,7 @@ def validate(args: LaunchArgs) -> None:
             raise ValueError(f"--{name.replace('_', '-')} {value!r}: must be a number >= 0")
     if args.hosts and not is_single_host(args):
         total = sum(h.slots for h in args.hosts)
-        if args.np > total:
+        if args.np > total and not args.oversubscribe:
             raise ValueError(f"-np {args.np} but the hosts have only {total} slots; add slots "
                              f"(-H host:slots) or lower -np")
 
@@ -212,6 +213,10 @@ def plan_launch(args: LaunchArgs, env: Mapping[str, str], mpi_impl: str, *,
         if single:
             out.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
             out.setdefault("OMPI_MCA_btl", "self,sm")
+        elif args.oversubscribe:
+            # "slot:": fill each host's slots in order, then go round again; a bare
+            # ":oversubscribe" puts every rank on the first host, even -np 2 on -H a:1,b:1
+            out["PRTE_MCA_rmaps_default_mapping_policy"] = "slot:oversubscribe"
         if args.hostfile:
             argv += ["--hostfile", args.hostfile]
         elif args.hosts:
