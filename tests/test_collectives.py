@@ -46,3 +46,14 @@ def test_stall_warning_and_stall_shutdown(np_):
     assert warn, proc.stderr
     # and about 'never', naming the last rank
     assert "tensor 'never'" in proc.stderr and f"not yet by rank(s) {np_ - 1}" in proc.stderr, proc.stderr
+
+
+def test_engine_thread_only_path_at_3_ranks(tmp_path):
+    """With HVD_MAGIC_INLINE=0 a waiting caller never runs the negotiation cycle itself: the
+    background thread does all of it (the path async requests take). Orders, fusion, join
+    and every mismatch error still hold."""
+    env = {"HVD_MAGIC_INLINE": "0"}
+    proc = mpirun("coll_misc.py", 3, str(tmp_path), env=env, timeout=180)
+    assert proc.stdout.count("coll_misc OK") == 3, proc.stdout
+    proc = mpirun("coll_errors.py", 3, env=env, timeout=120)
+    assert proc.stdout.count("coll_errors OK") == 3, proc.stdout

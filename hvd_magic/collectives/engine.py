@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import marshal
 import os
+import _signal  # the C functions: signal.signal's enum wrapping costs ~3 us a call
 import sys
 import threading
 import time
@@ -26,6 +27,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 from mpi4py import MPI
 from _thread import allocate_lock as _allocate_lock
+from _thread import get_ident as _get_ident
 from collections import deque
 
 from . import ops
@@ -36,6 +38,7 @@ from .timeline import CYCLE, NEGOTIATE, QUEUE, Timeline, TimelineWriter, now_us
 SLOT = 8192            # bytes per rank in the first negotiation round
 EAGER_MAX = 4096       # an allreduce input this small rides in the negotiation message itself
 SPIN_S = 200e-6        # poll without sleeping this long (only while a user thread waits)
+INLINE_SPIN_S = 200e-6  # a waiting caller runs the cycle itself for at most this long
 MIN_SLEEP_S = 20e-6
 MAX_POLL_S = 1e-3      # longest sleep between polls while waiting for other ranks
 
@@ -109,7 +112,11 @@ class Handle:
         """Block until done (interruptible), then return the result or raise the error."""
         if not self._done:
             engine = self._engine
-            engine.urgent()
+            if engine.inline and engine._cycle_lock.acquire(False):
+                engine._run_inline()   # releases the cycle lock
+                if self._done:
+                    return self._outcome()
+            engine.urgent(ring=True)
             deadline = None if timeout is None else time.monotonic() + timeout
             lock = self._lock
             engine.waiters += 1
@@ -123,6 +130,9 @@ class Handle:
             finally:
                 engine.waiters -= 1
             lock.release()   # leave it open for any other waiter
+        return self._outcome()
+
+    def _outcome(self) -> Any:
         if self._error is not None:
             raise self._error
         return self._post(self._result, self.extra) if self._post is not None else self._result
@@ -221,6 +231,13 @@ class Engine:
         self.waiters = 0      # user threads blocked on a handle: then polling may spin
         self.dead: Optional[BaseException] = None
         self.stopped = threading.Event()
+        # One negotiation cycle at a time, run by the engine thread or, while it sleeps, by a
+        # user thread that is about to wait for its result anyway (no two thread hand-offs).
+        self._cycle_lock = _allocate_lock()
+        self._px: Optional[tuple] = None            # posted exchange: (MPI request, message)
+        self._inline_exc: Optional[BaseException] = None
+        self._ended = False
+        self.inline = os.environ.get("HVD_MAGIC_INLINE", "1") != "0"
         # Small allreduces ride in the negotiation message (one round trip instead of two)
         # while ranks are few enough for the fixed slot to stay small.
         self._slot = SLOT if self.size <= 16 else 2048
@@ -267,6 +284,8 @@ class Engine:
         self._new.append(req)
         if urgent:
             self._urgent = True
+            if self.inline:
+                return handle   # the caller waits at once: Handle.wait runs or rings the cycle
         self._ring()
         return handle
 
@@ -281,12 +300,14 @@ class Engine:
         self._ring()
         return handle
 
-    def urgent(self) -> None:
+    def urgent(self, ring: bool = False) -> None:
         """Someone waits on a result: stop gathering requests for the cycle time."""
         if not self._urgent:
             self._urgent = True
             if self.cfg.cycle_time_s > 0:
-                self._ring()
+                ring = True
+        if ring:
+            self._ring()
 
     def raise_if_dead(self, name: str) -> None:
         if self.dead is not None and self.stopped.is_set():
@@ -328,6 +349,7 @@ class Engine:
                              + "".join(traceback.format_exception(exc)))
             self._fail_all(HvdError(f"hvd_magic's engine thread on rank {self.rank} failed: {exc!r}"))
         finally:
+            self._ended = True
             if self.dead is None:
                 self.dead = ShutdownError("hvd_magic was shut down")
             self._fail_all(ShutdownError("hvd_magic was shut down before this request finished"))
@@ -358,22 +380,27 @@ class Engine:
         elif timeout > 0:
             self._bell.acquire(True, timeout)
 
-    def _next_message(self) -> RankMsg:
-        """Block until there is a reason to negotiate, then take what this rank has to say."""
+    def _has_news(self) -> bool:
+        return bool(self._new or self._cancels or self._join_announce or self._shutdown_announce
+                    or self._px is not None or self._inline_exc is not None)
+
+    def _await_reason(self) -> bool:
+        """Block until there is a reason to negotiate. True: news to send (or a posted
+        exchange to finish); False: a poll or heartbeat cycle is due."""
         heartbeat = self._heartbeat
         waited_from = time.monotonic()
-        while not (self._new or self._cancels or self._join_announce or self._shutdown_announce):
+        while not self._has_news():
             now = time.monotonic()
             if self._join is not None or self.neg.waiting(self.rank):
                 if self._empty_streak == 0:
-                    break
+                    return False
                 delay = min(MAX_POLL_S, MIN_SLEEP_S * (2 ** min(self._empty_streak, 10)))
                 if now - waited_from >= delay:
-                    break
+                    return False
                 self._sleep(delay - (now - waited_from))
                 continue
             if heartbeat is not None and now - waited_from >= heartbeat:
-                break
+                return False
             self._sleep(None if heartbeat is None else heartbeat - (now - waited_from))
         if self._new and self.cfg.cycle_time_s > 0 and not self._urgent:
             deadline = time.monotonic() + self.cfg.cycle_time_s
@@ -382,6 +409,10 @@ class Engine:
                 if left <= 0:
                     break
                 self._sleep(left)
+        return True
+
+    def _take_message(self) -> RankMsg:
+        """What this rank has to say in the next cycle (takes the queued news)."""
         self._urgent = False
         new = []
         pop = self._new.popleft
@@ -415,35 +446,82 @@ class Engine:
         return max(0.25, min(15.0, base / 4))
 
     def _loop(self) -> None:
+        lock = self._cycle_lock
         while True:
-            msg = self._next_message()
-            t_cycle = now_us() if self.tl.active else 0.0
-            msgs = self._exchange(msg)
-            self.cycles += 1
-            now = time.monotonic()
-            with self._table_lock:
-                responses = self.neg.step(msgs, now)
-            if self.writer is not None:
-                for m in msgs:
-                    if m.events:
-                        self.writer.write(list(m.events))
-            if self.tl.active and self.tl.mark_cycles:
-                self.tl.add("cycle", CYCLE, t_cycle, None, {"cycle": self.cycles})
-            news = any(m.anns or m.cancels or m.join or m.shutdown for m in msgs)
-            self._empty_streak = 0 if (news or responses) else self._empty_streak + 1
-            stop = self._execute(responses, now)
-            if self.tl.active:
-                self.tl.publish()
-            now = time.monotonic()
-            if now >= self._next_tick:
-                self._next_tick = now + 0.2
-                self._stall_tick(now)
-            if stop:
+            news = self._await_reason()
+            with lock:
+                if self._inline_exc is not None:
+                    if isinstance(self._inline_exc, _Stop):
+                        return
+                    raise self._inline_exc
+                if self._ended:
+                    return
+                if self._px is None:
+                    if news and not self._has_news():
+                        continue      # a waiting user thread negotiated it already
+                    self._post_exchange(self._take_message())
+                msgs = self._finish_exchange()
+                if self._after_exchange(msgs):
+                    self._ended = True
+                    return
+
+    def _run_inline(self) -> None:
+        """Run one cycle in the calling (waiting) user thread; the caller holds the cycle lock.
+
+        A cycle that is not complete after ``INLINE_SPIN_S`` (other ranks not there yet) is
+        left posted for the engine thread to finish. SIGINT is held back while the cycle runs
+        (only the main thread gets it) so that an interrupt never leaves a cycle half done."""
+        deferred = _defer_sigint()
+        try:
+            if self._ended or self._inline_exc is not None:
                 return
+            if self._px is None:
+                if not (self._new or self._cancels or self._join_announce or self._shutdown_announce):
+                    return
+                self._post_exchange(self._take_message())
+            req = self._px[0]
+            if not req.Test():
+                t0 = time.perf_counter()
+                while not req.Test():
+                    if time.perf_counter() - t0 > INLINE_SPIN_S:
+                        return           # the engine thread finishes it (Handle.wait rings)
+            if self._after_exchange(self._finish_exchange()):
+                self._inline_exc = _Stop()
+        except BaseException as exc:  # noqa: BLE001 - the engine thread reports it and stops
+            self._inline_exc = exc
+        finally:
+            self._cycle_lock.release()
+            if self._inline_exc is not None:
+                self._ring()
+            _restore_sigint(deferred)
+
+    def _after_exchange(self, msgs: list) -> bool:
+        """Decide and carry out one cycle from every rank's message; True: shut down."""
+        t_cycle = now_us() if self.tl.active else 0.0
+        self.cycles += 1
+        now = time.monotonic()
+        with self._table_lock:
+            responses = self.neg.step(msgs, now)
+        if self.writer is not None:
+            for m in msgs:
+                if m.events:
+                    self.writer.write(list(m.events))
+        if self.tl.active and self.tl.mark_cycles:
+            self.tl.add("cycle", CYCLE, t_cycle, None, {"cycle": self.cycles})
+        news = any(m.anns or m.cancels or m.join or m.shutdown for m in msgs)
+        self._empty_streak = 0 if (news or responses) else self._empty_streak + 1
+        stop = self._execute(responses, now)
+        if self.tl.active:
+            self.tl.publish()
+        now = time.monotonic()
+        if now >= self._next_tick:
+            self._next_tick = now + 0.2
+            self._stall_tick(now)
+        return stop
 
     # ------------------------------------------------------------------ negotiation
-    def _exchange(self, msg: RankMsg) -> list:
-        """Allgather every rank's message (marshal-encoded plain tuples)."""
+    def _post_exchange(self, msg: RankMsg) -> None:
+        """Start allgathering every rank's message (marshal-encoded plain tuples)."""
         data = marshal.dumps(tuple(msg))
         n = len(data)
         slot = self._slot
@@ -451,7 +529,14 @@ class Engine:
         if n <= slot - 8:
             self._send_mv[8:8 + n] = data
         self._in_cycle_since = time.monotonic()
-        self._wait(self.comm.Iallgather(self._send, self._recv))
+        self._px = (self.comm.Iallgather(self._send, self._recv), data)
+
+    def _finish_exchange(self) -> list:
+        """Complete the posted exchange; every rank's message, in rank order."""
+        req, data = self._px
+        self._wait(req)
+        self._px = None
+        slot = self._slot
         mv = self._recv_mv
         lens = [int.from_bytes(mv[r * slot:r * slot + 8], "little") for r in range(self.size)]
         if max(lens) <= slot - 8:
@@ -505,30 +590,37 @@ class Engine:
         return self._torch_backend
 
     def _execute(self, responses: list, decided: float) -> bool:
-        if len(responses) == 1 and (responses[0].kind != "allreduce" or responses[0].data is not None
-                                    or responses[0].error is not None):
-            return self._execute_one(responses[0], decided)   # nothing to fuse
+        if len(responses) == 1:       # nothing to fuse
+            resp = responses[0]
+            if resp.kind == "allreduce" and resp.data is None and resp.error is None:
+                self._reduce([resp], decided)
+                return False
+            return self._execute_one(resp, decided)
         stop = False
-        plan = plan_fusion(responses, self.cfg.fusion_threshold)
-        for item in plan:
+        for item in plan_fusion(responses, self.cfg.fusion_threshold):
             if isinstance(item, Bucket):
-                entries = []
-                for resp in item.responses:
-                    req = self._take(resp.name)
-                    entries.append((req, req.ann if req is not None else resp.first))
-                self._queue_events(entries, decided)
-                n_contrib = self.size - len(item.responses[0].joined)
-                try:
-                    self._backend(entries[0][1].device).allreduce(entries, n_contrib)
-                    err = None
-                except Exception as exc:  # noqa: BLE001
-                    err = HvdError(f"allreduce of {', '.join(item.names)} failed on rank {self.rank}: {exc!r}")
-                for req, _ in entries:
-                    if req is not None:
-                        req.handle._set(req.handle._result, err)
-                continue
-            stop = self._execute_one(item, decided) or stop
+                self._reduce(item.responses, decided)
+            else:
+                stop = self._execute_one(item, decided) or stop
         return stop
+
+    def _reduce(self, responses: list, decided: float) -> None:
+        """One allreduce call for ``responses`` (a fusion bucket, or a single request)."""
+        entries = []
+        for resp in responses:
+            req = self._take(resp.name)
+            entries.append((req, req.ann if req is not None else resp.first))
+        if self.tl.active:
+            self._queue_events(entries, decided)
+        try:
+            self._backend(entries[0][1].device).allreduce(entries, self.size - len(responses[0].joined))
+            err = None
+        except Exception as exc:  # noqa: BLE001
+            names = ", ".join(r.name for r in responses)
+            err = HvdError(f"allreduce of {names} failed on rank {self.rank}: {exc!r}")
+        for req, _ in entries:
+            if req is not None:
+                req.handle._set(req.handle._result, err)
 
     def _queue_events(self, entries: list, decided: float) -> None:
         if not self.tl.active:
@@ -631,6 +723,36 @@ class Engine:
                     f"other ranks have not taken part in negotiation for {now - self._in_cycle_since:.1f} s "
                     f"(HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={kill:g}); check that every rank runs the "
                     "same collectives"))
+
+
+class _Stop(Exception):
+    """An inline cycle carried out the agreed shutdown: the engine thread ends."""
+
+
+_MAIN = threading.main_thread().ident
+_SIGINT = int(_signal.SIGINT)
+
+
+def _defer_sigint() -> Optional[tuple]:
+    """In the main thread, hold back SIGINT's Python handler; see :func:`_restore_sigint`."""
+    if _get_ident() != _MAIN:
+        return None
+    old = _signal.getsignal(_SIGINT)
+    if not callable(old):
+        return None
+    caught: list = []
+    _signal.signal(_SIGINT, lambda signum, frame: caught.append((signum, frame)))
+    return old, caught
+
+
+def _restore_sigint(deferred: Optional[tuple]) -> None:
+    """Put SIGINT's handler back and run it now for a signal that came in meanwhile."""
+    if deferred is None:
+        return
+    old, caught = deferred
+    _signal.signal(_SIGINT, old)
+    if caught:
+        old(*caught[0])
 
 
 def _tight_timer_slack() -> None:

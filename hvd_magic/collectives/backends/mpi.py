@@ -71,11 +71,11 @@ class MPIBackend:
     def allreduce(self, entries: list, n_contrib: int) -> None:
         """entries: [(LocalReq or None, Ann)], all sharing dtype, op and scale factors."""
         ann0 = entries[0][1]
-        dtype, op = ann0.dtype, ReduceOp(ann0.op)
-        red = np.dtype("float32") if dtype in ops.HALF else np.dtype(dtype)
-        mop = mpi_op(op, dtype)
+        dtype, op = ann0.dtype, _OPS[ann0.op]
+        red = (_DTYPES.get(dtype) or _dtypes(dtype))[0]
+        mop = _OP_CACHE[(ann0.op, dtype == "bool")]
         tl = self.tl.active
-        names = [a.name for _, a in entries]
+        names = [a.name for _, a in entries] if tl else []
         if len(entries) == 1 and entries[0][0] is not None and dtype not in ops.HALF:
             req, ann = entries[0]
             src = req.src()
