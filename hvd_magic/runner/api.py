@@ -57,7 +57,8 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[Dict[
     hvdrun's options: ``hostfile``, ``timeline_filename``, ``fusion_threshold_mb``,
     ``cycle_time_ms``, ``stall_check_seconds``, ``output_filename``, ``network_interface``,
     ``verbose``. An exception on a rank is raised here as :class:`RankError`. Multi-host runs
-    need the temporary directory (``tempfile.gettempdir()``) shared between the hosts.
+    pass ``fn`` and the results through a temporary directory that every host must see:
+    set ``TMPDIR`` to a shared directory (e.g. on NFS).
     """
     if not callable(fn):
         raise TypeError(f"run(fn, ...) needs a callable, not {type(fn).__name__}")

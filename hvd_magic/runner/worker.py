@@ -39,6 +39,15 @@ def main(directory: str) -> int:
     import hvd_magic.collectives as hvd
 
     rank = MPI.COMM_WORLD.Get_rank()
+    if not os.path.isfile(os.path.join(directory, "fn.pkl")):
+        import socket
+        sys.stderr.write(f"hvd_magic.run: rank {rank} on {socket.gethostname()} cannot see "
+                         f"{directory}: on several hosts, run() needs its temporary directory "
+                         "on a file system every host sees; set TMPDIR to such a directory "
+                         "(e.g. on NFS) before calling it, or use hvdrun\n")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+        return 1
     extra = [p for p in os.environ.get("HVD_MAGIC_SYS_PATH", "").split(os.pathsep)
              if p and p not in sys.path]
     sys.path[1:1] = extra
