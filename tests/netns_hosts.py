@@ -1,0 +1,292 @@
+"""Two "hosts" on this machine for multi-host tests: network namespaces joined by a veth pair.
+
+:class:`TwoHosts` makes namespaces ``hvdA-<pid>`` (10.231.0.1) and ``hvdB-<pid>``
+(10.231.0.2), each with ``lo`` up, and an ssh stand-in (the *agent*) for Open MPI's PRRTE:
+``agent HOST COMMAND...`` runs COMMAND in HOST's namespace the way ``ssh`` would on a real
+machine: under that host's own hostname (a private UTS namespace, ``unshare -u``; the real
+hostname never changes), with a remote shell's bare environment (``env -i`` with a system
+PATH and HOME only), and detached from the caller (``setsid -f``), so the daemon and ranks
+on the other host are not children of ``mpiexec`` here. :meth:`TwoHosts.wrap` runs a
+command on host A the same way (hostname A, normal environment), which is where the tests
+start ``hvdrun``, ``hvd_magic.run`` and the pool's kernel side.
+
+Nothing here touches the real network: both veth ends live in the namespaces, and the
+addresses exist only there. :meth:`TwoHosts.destroy` kills whatever still runs in either
+namespace (returning what it found) and deletes namespaces and veth pair.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+SUBNET = "10.231.0.0/24"
+PREFIX = 24
+
+
+@dataclass(frozen=True)
+class NetnsHost:
+    """One namespace acting as a host."""
+
+    ns: str          # namespace name, also this host's hostname
+    ip: str
+    veth: str
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"`ip {' '.join(args)}` failed: {proc.stderr.strip()}")
+    return proc
+
+
+def unusable_reason() -> Optional[str]:
+    """Why two-namespace hosts cannot be made here (None when they can)."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "multi-host tests need root (they make network namespaces with `ip netns`)"
+    for tool in ("ip", "unshare", "setsid", "env"):
+        if shutil.which(tool) is None:
+            return f"multi-host tests need `{tool}`, which is not installed"
+    probe = f"hvdP-{os.getpid()}"
+    made = _ip("netns", "add", probe, check=False)
+    if made.returncode != 0:
+        return f"`ip netns add` does not work here: {made.stderr.strip()}"
+    try:
+        up = _ip("-n", probe, "link", "set", "lo", "up", check=False)
+        if up.returncode != 0:
+            return f"cannot configure a network namespace here: {up.stderr.strip()}"
+    finally:
+        _ip("netns", "delete", probe, check=False)
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale(prefixes: Sequence[str] = ("hvdA-", "hvdB-", "hvdP-")) -> List[str]:
+    """Delete namespaces that earlier runs of these tests left behind (their pid is gone),
+    killing what still runs in them. Returns their names."""
+    listed = _ip("netns", "list", check=False).stdout.split("\n")
+    removed = []
+    for line in listed:
+        name = line.split(" ")[0].strip()
+        if not name.startswith(tuple(prefixes)):
+            continue
+        owner = name.split("-", 1)[1]
+        if not owner.isdigit() or _alive(int(owner)):
+            continue
+        for pid in netns_pids(name):
+            _kill(pid)
+        _ip("netns", "delete", name, check=False)
+        removed.append(name)
+    return removed
+
+
+def netns_pids(ns: str) -> List[int]:
+    """Processes whose network namespace is ``ns`` (read from /proc, like `ip netns pids`,
+    but without a child process that would count itself when called inside ``ns``)."""
+    try:
+        want = os.stat(f"/run/netns/{ns}")
+    except OSError:
+        return []
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            st = os.stat(f"/proc/{entry}/ns/net")
+        except OSError:
+            continue
+        if (st.st_ino, st.st_dev) == (want.st_ino, want.st_dev) and not _zombie(int(entry)):
+            out.append(int(entry))
+    return out
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def describe_pids(pids: Sequence[int]) -> List[str]:
+    """``"pid: command line"`` for each of ``pids`` still running."""
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                line = fh.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        out.append(f"{pid}: {line[:200]}")
+    return out
+
+
+AGENT = """#!/bin/sh
+# ssh stand-in for PRRTE (plm_ssh_agent): agent [ssh options] HOST COMMAND...
+# Runs COMMAND in HOST's network namespace under HOST's own hostname, with its own empty
+# /tmp and a remote shell's bare environment, detached from the caller like a daemon
+# started over ssh.
+echo "$(date +%T.%N) agent $*" >> {log}
+while [ "${{1#-}}" != "$1" ]; do shift; done
+host=$1; shift
+case "$host" in
+{cases}
+  *) echo "agent: unknown host $host" >&2; exit 255 ;;
+esac
+exec setsid -f ip netns exec "$ns" unshare -u -m sh -c \\
+  'mount -t tmpfs -o mode=1777 tmp /tmp && hostname "$0" &&
+   exec env -i PATH=/usr/local/bin:/usr/bin:/bin HOME="$2" sh -c "$1"' \\
+  "$ns" "$*" "${{HOME:-/}}"
+"""
+
+
+class TwoHosts:
+    """Namespaces A and B joined by a veth pair, plus the agent; see the module docstring."""
+
+    def __init__(self, tag: Optional[str] = None) -> None:
+        tag = tag or str(os.getpid())
+        self.a = NetnsHost(f"hvdA-{tag}", "10.231.0.1", f"hvA{tag}"[:15])
+        self.b = NetnsHost(f"hvdB-{tag}", "10.231.0.2", f"hvB{tag}"[:15])
+        self.hosts = (self.a, self.b)
+        self.dir = ""
+        self.shared = ""                     # a directory both hosts see
+        self.agent = ""
+        self.agent_log = ""
+        self._made: List[str] = []
+
+    # ------------------------------------------------------------------ set-up / teardown
+    def create(self) -> "TwoHosts":
+        # not under /tmp: host B has its own /tmp
+        self.dir = tempfile.mkdtemp(prefix="hvd-netns-",
+                                    dir="/var/tmp" if os.path.isdir("/var/tmp") else None)
+        self.shared = os.path.join(self.dir, "shared")
+        os.mkdir(self.shared)
+        try:
+            for h in self.hosts:
+                _ip("netns", "add", h.ns)
+                self._made.append(h.ns)
+            _ip("link", "add", self.a.veth, "type", "veth", "peer", "name", self.b.veth)
+            for h in self.hosts:
+                _ip("link", "set", h.veth, "netns", h.ns)
+                _ip("-n", h.ns, "addr", "add", f"{h.ip}/{PREFIX}", "dev", h.veth)
+                _ip("-n", h.ns, "link", "set", h.veth, "up")
+                _ip("-n", h.ns, "link", "set", "lo", "up")
+            self.agent_log = os.path.join(self.dir, "agent.log")
+            cases = "\n".join(f"  {h.ip}|{h.ns}) ns={h.ns} ;;" for h in self.hosts)
+            self.agent = os.path.join(self.dir, "agent")
+            with open(self.agent, "w") as fh:
+                fh.write(AGENT.format(log=shlex.quote(self.agent_log), cases=cases))
+            os.chmod(self.agent, 0o755)
+        except BaseException:
+            self.destroy()
+            raise
+        return self
+
+    def pids(self) -> Dict[str, List[int]]:
+        """Processes now running in each namespace."""
+        return {h.ns: netns_pids(h.ns) for h in self.hosts}
+
+    def leftovers(self, wait: float = 0.0, ignore: Sequence[int] = ()) -> List[str]:
+        """Processes still in either namespace after up to ``wait`` s (none: ``[]``)."""
+        deadline = time.monotonic() + wait
+        while True:
+            left = [p for pids in self.pids().values() for p in pids if p not in ignore]
+            if not left or time.monotonic() >= deadline:
+                return describe_pids(left)
+            time.sleep(0.1)
+
+    def destroy(self) -> List[str]:
+        """Kill what runs in the namespaces, delete them (the veth pair goes with them) and
+        the agent's directory. Returns the processes that were still running."""
+        left: List[str] = []
+        for ns in self._made:
+            pids = netns_pids(ns)
+            left += describe_pids(pids)
+            for pid in pids:
+                _kill(pid)
+        deadline = time.monotonic() + 5
+        while any(netns_pids(ns) for ns in self._made) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for ns in self._made:
+            _ip("netns", "delete", ns, check=False)
+        self._made = []
+        if _link_exists(self.a.veth):        # made, but not yet moved into a namespace
+            _ip("link", "delete", self.a.veth, check=False)
+        if self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        return left
+
+    # ------------------------------------------------------------------ running things
+    @property
+    def hosts_arg(self) -> str:
+        """``-H`` value with one slot per host."""
+        return ",".join(f"{h.ip}:1" for h in self.hosts)
+
+    def env(self, base: Optional[Dict[str, str]] = None, **extra: str) -> Dict[str, str]:
+        """Environment for a launcher on host A: PRRTE's ssh agent is ours."""
+        env = dict(os.environ if base is None else base)
+        env["PRTE_MCA_plm_ssh_agent"] = self.agent
+        env["OMPI_ALLOW_RUN_AS_ROOT"] = env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
+        env.update(extra)
+        return env
+
+    def wrap(self, argv: Sequence[str], host: Optional[NetnsHost] = None) -> List[str]:
+        """``argv`` run in ``host``'s namespace (default A) under its hostname."""
+        h = host or self.a
+        return ["ip", "netns", "exec", h.ns, "unshare", "-u", "sh", "-c",
+                'hostname "$0" && exec "$@"', h.ns, *argv]
+
+    def run(self, argv: Sequence[str], env: Optional[Dict[str, str]] = None,
+            timeout: float = 30.0, host: Optional[NetnsHost] = None,
+            cwd: Optional[str] = None) -> subprocess.CompletedProcess:
+        """Run ``argv`` on ``host`` (default A) and wait; on timeout kill its session and
+        raise AssertionError with what it printed."""
+        proc = subprocess.Popen(self.wrap(argv, host), env=env if env is not None else self.env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True, stdin=subprocess.DEVNULL, cwd=cwd)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            out, err = proc.communicate()
+            raise AssertionError(f"{' '.join(argv)} did not finish within {timeout} s\n"
+                                 f"stdout:\n{out}\nstderr:\n{err}\nagent:\n{self.agent_calls()}"
+                                 ) from None
+        return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+    def agent_calls(self) -> str:
+        """What the agent was asked to run (for failure messages)."""
+        try:
+            with open(self.agent_log) as fh:
+                return fh.read()[-4000:]
+        except OSError:
+            return "(the agent was not called)"
+
+
+def _link_exists(name: str) -> bool:
+    return _ip("link", "show", name, check=False).returncode == 0
