@@ -121,10 +121,11 @@ def test_multi_host_oversubscription_maps_by_slot():
 def test_multi_host_forwards_where_python_is():
     """A remote shell starts with a bare environment: without PATH the other hosts cannot
     find `python` (or find another one), so multi-host runs forward it and its friends."""
-    env = dict(BASE_ENV, PYTHONPATH="/code", VIRTUAL_ENV="/venv")
+    env = dict(BASE_ENV, PYTHONPATH="/code", VIRTUAL_ENV="/venv", NCCL_DEBUG="INFO",
+               GLOO_SOCKET_IFNAME="eth1")
     argv, out = plan(np=2, hosts=parse_hosts("node1:1,node2:1"), env=env)
     forwarded = {argv[i + 1] for i, a in enumerate(argv) if a == "-x"}
-    assert {"PATH", "PYTHONPATH", "VIRTUAL_ENV"} <= forwarded
+    assert {"PATH", "PYTHONPATH", "VIRTUAL_ENV", "NCCL_DEBUG", "GLOO_SOCKET_IFNAME"} <= forwarded
     assert "LD_LIBRARY_PATH" not in forwarded                  # not set here: not forwarded
     assert out["PATH"].split(":")[0] == "/venv/bin"
     argv, _ = plan("mpich", np=2, hosts=parse_hosts("node1:1,node2:1"), env=env)

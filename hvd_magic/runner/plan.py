@@ -25,6 +25,8 @@ FORWARD_PREFIXES = ("HOROVOD_", "HVD_MAGIC_")
 #: Variables also forwarded on multi-host runs: the ranks on other hosts start from a remote
 #: shell's bare environment and must find the same Python and packages as this machine.
 MULTIHOST_FORWARD = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "CONDA_PREFIX")
+#: ... and the settings of torch.distributed's transports (NCCL_SOCKET_IFNAME, NCCL_DEBUG, ...).
+MULTIHOST_FORWARD_PREFIXES = ("NCCL_", "GLOO_")
 
 NETNS_NOTE = ("single-host runs start mpiexec and the ranks in a private network namespace "
               "with only loopback: no socket of the job is reachable from other machines, and "
@@ -205,7 +207,8 @@ def plan_launch(args: LaunchArgs, env: Mapping[str, str], mpi_impl: str, *,
         out["PATH"] = bindir + (os.pathsep + path if path else "")
     forward = sorted(set(hvd) | set(args.extra_env)
                      | {k for k in out if k.startswith(FORWARD_PREFIXES)} | {"PYTHONUNBUFFERED"}
-                     | (set() if single else {k for k in MULTIHOST_FORWARD if out.get(k)}))
+                     | (set() if single else {k for k in out if out[k] and (
+                         k in MULTIHOST_FORWARD or k.startswith(MULTIHOST_FORWARD_PREFIXES))}))
     argv: List[str] = [mpiexec, "-n", str(args.np)]
     if mpi_impl == OPENMPI:
         out["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
