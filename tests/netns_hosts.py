@@ -1,14 +1,17 @@
 """Two "hosts" on this machine for multi-host tests: network namespaces joined by a veth pair.
 
 :class:`TwoHosts` makes namespaces ``hvdA-<pid>`` (10.231.0.1) and ``hvdB-<pid>``
-(10.231.0.2), each with ``lo`` up, and an ssh stand-in (the *agent*) for Open MPI's PRRTE:
+(10.231.0.2), each with ``lo`` up and its end of the veth pair named ``hvd0`` (as if
+both machines had an ``eth0``), and an ssh stand-in (the *agent*) for Open MPI's PRRTE:
 ``agent HOST COMMAND...`` runs COMMAND in HOST's namespace the way ``ssh`` would on a real
 machine: under that host's own hostname (a private UTS namespace, ``unshare -u``; the real
-hostname never changes), with a remote shell's bare environment (``env -i`` with a system
-PATH and HOME only), and detached from the caller (``setsid -f``), so the daemon and ranks
-on the other host are not children of ``mpiexec`` here. :meth:`TwoHosts.wrap` runs a
-command on host A the same way (hostname A, normal environment), which is where the tests
-start ``hvdrun``, ``hvd_magic.run`` and the pool's kernel side.
+hostname never changes), with its own empty ``/tmp`` (a private mount namespace), with a
+remote shell's bare environment (``env -i`` with a system PATH and HOME only), and detached
+from the caller (``setsid -f``), so the daemon and ranks on the other host are not children
+of ``mpiexec`` here. What both hosts must see goes under ``TwoHosts.shared``, not ``/tmp``.
+:meth:`TwoHosts.wrap` runs a command on host A under hostname A with the normal environment
+and file system: that is where the tests start ``hvdrun``, ``hvd_magic.run`` and the pool's
+kernel side.
 
 Nothing here touches the real network: both veth ends live in the namespaces, and the
 addresses exist only there. :meth:`TwoHosts.destroy` kills whatever still runs in either
@@ -28,6 +31,7 @@ from typing import Dict, List, Optional, Sequence
 
 SUBNET = "10.231.0.0/24"
 PREFIX = 24
+IFNAME = "hvd0"          # the veth end's name inside each namespace
 
 
 @dataclass(frozen=True)
@@ -36,7 +40,7 @@ class NetnsHost:
 
     ns: str          # namespace name, also this host's hostname
     ip: str
-    veth: str
+    veth: str        # the veth end's name until it is moved in (then IFNAME)
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -189,9 +193,11 @@ class TwoHosts:
                 self._made.append(h.ns)
             _ip("link", "add", self.a.veth, "type", "veth", "peer", "name", self.b.veth)
             for h in self.hosts:
+                # inside, both ends are IFNAME, like eth0 on two real machines
                 _ip("link", "set", h.veth, "netns", h.ns)
-                _ip("-n", h.ns, "addr", "add", f"{h.ip}/{PREFIX}", "dev", h.veth)
-                _ip("-n", h.ns, "link", "set", h.veth, "up")
+                _ip("-n", h.ns, "link", "set", h.veth, "name", IFNAME)
+                _ip("-n", h.ns, "addr", "add", f"{h.ip}/{PREFIX}", "dev", IFNAME)
+                _ip("-n", h.ns, "link", "set", IFNAME, "up")
                 _ip("-n", h.ns, "link", "set", "lo", "up")
             self.agent_log = os.path.join(self.dir, "agent.log")
             cases = "\n".join(f"  {h.ip}|{h.ns}) ns={h.ns} ;;" for h in self.hosts)

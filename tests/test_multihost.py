@@ -83,6 +83,29 @@ def test_hvdrun_with_a_hostfile(two_hosts, tmp_path):
     assert not two_hosts.leftovers(wait=3.0)
 
 
+def test_gloo_across_two_hosts(two_hosts):
+    """HOROVOD_CPU_OPERATIONS=gloo (the torch.distributed path that CUDA tensors take with
+    NCCL) across hosts whose names do not resolve: rank 0's rendezvous address comes from
+    the interface named by --network-interface, or by a GLOO_SOCKET_IFNAME set here (which
+    must reach host B); with neither, every rank fails at once, saying what to set."""
+    pytest.importorskip("torch")
+    script = str(HERE / "mpi" / "multihost_rank.py")
+    base = [PY, "-m", "hvd_magic.runner.cli", "-np", "2", "-H", two_hosts.hosts_arg]
+    gloo = two_hosts.env(HOROVOD_CPU_OPERATIONS="gloo", HVD_MAGIC_TORCH_INIT_TIMEOUT="20")
+    for argv, env in ((base + ["--network-interface", "hvd0"], gloo),
+                      (base, dict(gloo, GLOO_SOCKET_IFNAME="hvd0"))):
+        proc = two_hosts.run(argv + ["python", script], env=env, timeout=40)
+        assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+        ranks = sorted(_records(proc.stdout, "RANK "), key=lambda r: r["rank"])
+        _check_two_hosts(ranks, two_hosts)
+        assert [r["sum"] for r in ranks] == [3.0, 3.0]
+    t0 = time.monotonic()
+    proc = two_hosts.run(base + ["python", script], env=gloo, timeout=40)
+    assert proc.returncode != 0 and time.monotonic() - t0 < 30
+    assert "HVD_MAGIC_RENDEZVOUS_ADDR" in proc.stderr and "does not resolve" in proc.stderr
+    assert not two_hosts.leftovers(wait=3.0)
+
+
 def test_run_function_across_two_hosts(two_hosts):
     """hvd_magic.run with hosts: results in rank order, a rank's exception on B raised here
     as RankError; without a shared TMPDIR it fails saying what to set."""

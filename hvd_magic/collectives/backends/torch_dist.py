@@ -1,8 +1,9 @@
 """torch.distributed backend: NCCL for CUDA tensors, gloo for CPU tensors.
 
 The process group is set up from the engine's MPI communicator: rank 0 opens a
-``TCPStore`` (on 127.0.0.1 when every rank is on one host) and sends its address
-over MPI, so no launcher variables are needed. The same code runs with gloo on
+``TCPStore`` (on 127.0.0.1 when every rank is on one host, else at
+:func:`rendezvous_addr`) and sends its address over MPI, so no launcher variables are
+needed. The same code runs with gloo on
 CPU tensors (``HOROVOD_CPU_OPERATIONS=gloo``), which is how the tests exercise the
 path that NCCL takes on GPUs. What only a GPU can show (NCCL itself, CUDA streams)
 is marked in the tests as ``gpu``.
@@ -35,6 +36,49 @@ def _torch():
     return torch, dist
 
 
+_SIOCGIFADDR = 0x8915
+
+
+def interface_ipv4(name: str) -> Optional[str]:
+    """The IPv4 address of network interface ``name`` (Linux), or None."""
+    import fcntl
+    import struct
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR,
+                                 struct.pack("256s", name.encode()[:15]))
+        return socket.inet_ntoa(packed[20:24])
+    except (OSError, ValueError):
+        return None
+
+
+def rendezvous_addr() -> str:
+    """Rank 0's address for the other hosts: ``HVD_MAGIC_RENDEZVOUS_ADDR``; else that of the
+    first interface in ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` (hvdrun
+    ``--network-interface``); else what the hostname resolves to, unless that is loopback
+    (Debian's 127.0.1.1 entry)."""
+    given = os.environ.get("HVD_MAGIC_RENDEZVOUS_ADDR", "").strip()
+    if given:
+        return given
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        for name in os.environ.get(var, "").split(","):
+            name = name.strip().lstrip("^=")
+            addr = interface_ipv4(name) if name else None
+            if addr:
+                return addr
+    try:
+        addr = socket.gethostbyname(socket.gethostname())
+    except OSError as exc:
+        why = f"this host's name {socket.gethostname()!r} does not resolve ({exc})"
+    else:
+        if not addr.startswith("127."):
+            return addr
+        why = f"this host's name resolves to the loopback address {addr}"
+    raise RuntimeError(f"torch.distributed across hosts needs an address of rank 0 that the "
+                       f"other hosts reach, and {why}; set HVD_MAGIC_RENDEZVOUS_ADDR, or "
+                       "GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME (hvdrun --network-interface eth0)")
+
+
 class TorchBackend:
     """Collectives through torch.distributed (one process group for the engine)."""
 
@@ -64,18 +108,21 @@ class TorchBackend:
                 f"{self.rank}); destroy that process group or initialize it with the same ranks")
         hosts = comm.allgather(socket.gethostname())
         single_host = len(set(hosts)) == 1
-        addr = "127.0.0.1" if single_host else os.environ.get(
-            "HVD_MAGIC_RENDEZVOUS_ADDR", socket.gethostbyname(socket.gethostname()))
         if single_host:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         timeout = datetime.timedelta(seconds=float(os.environ.get("HVD_MAGIC_TORCH_INIT_TIMEOUT", "120")))
+        addr, port, error = "", 0, None
         if self.rank == 0:
-            store = dist.TCPStore(addr, 0, self.size, is_master=True, timeout=timeout,
-                                  wait_for_workers=False)
-            port = store.port
-        else:
-            port = 0
-        addr, port = comm.bcast((addr, port), root=0)
+            try:   # a failure here is sent to every rank, which would otherwise wait forever
+                addr = "127.0.0.1" if single_host else rendezvous_addr()
+                store = dist.TCPStore(addr, 0, self.size, is_master=True, timeout=timeout,
+                                      wait_for_workers=False)
+                port = store.port
+            except Exception as exc:  # noqa: BLE001 - raised on every rank below
+                error = f"{type(exc).__name__}: {exc}"
+        addr, port, error = comm.bcast((addr, port, error), root=0)
+        if error is not None:
+            raise RuntimeError(f"setting up torch.distributed failed on rank 0: {error}")
         if self.rank != 0:
             store = dist.TCPStore(addr, port, self.size, is_master=False, timeout=timeout)
         backend = "cpu:gloo,cuda:nccl" if (torch.cuda.is_available() and dist.is_nccl_available()) else "gloo"
