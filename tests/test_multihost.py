@@ -127,10 +127,11 @@ def test_run_function_across_two_hosts(two_hosts):
     assert not two_hosts.leftovers(wait=3.0)
 
 
-def _pool_scenario(hosts, scenario: str) -> dict:
+def _pool_scenario(hosts, scenario: str, **env: str) -> dict:
     """Run tests/mpi/multihost_pool.py SCENARIO on host A; its RESULT record."""
+    open(hosts.agent_log, "w").close()              # agent_calls(): this scenario's only
     proc = hosts.run([PY, str(HERE / "mpi" / "multihost_pool.py"), scenario, hosts.hosts_arg,
-                      hosts.a.ns, hosts.b.ns], timeout=60)
+                      hosts.a.ns, hosts.b.ns], env=hosts.env(**env), timeout=60)
     why = f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}\nagent:\n{hosts.agent_calls()}"
     assert proc.returncode == 0, why
     records = _records(proc.stdout, "RESULT ")
@@ -144,11 +145,16 @@ def test_pool_across_two_hosts_through_the_magics(two_hosts):
     the nannies), the controller reachable on A's address only, and %hvd stop leaves
     nothing running on either host."""
     t0 = time.monotonic()
-    res = _pool_scenario(two_hosts, "magics")
+    # the pool has no --network-interface: Open MPI's variables in the kernel's environment
+    res = _pool_scenario(two_hosts, "magics", OMPI_MCA_btl_tcp_if_include="10.231.0.0/24",
+                         PRTE_MCA_prte_if_include="10.231.0.0/24")
     took = time.monotonic() - t0
     a, b = two_hosts.a.ns, two_hosts.b.ns
-    # first cell: each rank on its own host, alone there; allreduce of 1 and 2
-    assert res["first"] == {"0": [a, 0, 1, 2, [3.0] * 3], "1": [b, 1, 1, 2, [3.0] * 3]}
+    # first cell: each rank on its own host, alone there; allreduce of 1 and 2; Open MPI's
+    # variables reached the rank on B and B's daemon
+    net = "10.231.0.0/24"
+    assert res["first"] == {"0": [a, 0, 1, 2, [3.0] * 3, net], "1": [b, 1, 1, 2, [3.0] * 3, net]}
+    assert f'prte_if_include "{net}"' in two_hosts.agent_calls()
     assert not res["single_host"]
     # second cell sees the first one's w on both hosts: 3 + (3 + 3)
     assert res["second"] == {"0": [a, [9.0] * 3], "1": [b, [9.0] * 3]}

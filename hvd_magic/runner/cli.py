@@ -18,6 +18,10 @@ memory, and by default starts mpiexec and the ranks in a private network namespa
 has only loopback: nothing of the job listens on a reachable address, but the ranks
 cannot reach outside networks (downloads, remote storage) either. Set HVD_MAGIC_NETNS=0
 to run in the normal network (then Open MPI's prterun listens on all interfaces).
+
+With -H or --hostfile the ranks on other hosts are started over ssh and get PATH,
+PYTHONPATH, LD_LIBRARY_PATH, VIRTUAL_ENV, CONDA_PREFIX and the HOROVOD_*, HVD_MAGIC_*,
+NCCL_* and GLOO_* variables from here; each host needs the same paths.
 """
 
 EPILOG = """\

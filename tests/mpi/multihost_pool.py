@@ -63,7 +63,9 @@ import numpy as np
 import hvd_magic.collectives as hvd
 w = np.full(3, float(hvd.rank() + 1))
 hvd.allreduce_(w, op=hvd.Sum)
-(socket.gethostname(), hvd.rank(), hvd.local_size(), hvd.cross_size(), w.tolist())
+import os
+(socket.gethostname(), hvd.rank(), hvd.local_size(), hvd.cross_size(), w.tolist(),
+ os.environ.get("OMPI_MCA_btl_tcp_if_include"))
 """)
     res["first_s"] = time.monotonic() - t0
     res["first"] = out("first")
