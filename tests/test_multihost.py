@@ -2,8 +2,9 @@
 
 Host A (10.231.0.1) runs the launcher side (hvdrun, hvd_magic.run, the notebook kernel
 with the pool's controller); host B (10.231.0.2) is reached only through PRRTE's ssh agent,
-which behaves like ssh to another machine (see netns_hosts.py): its own hostname, a bare
-environment, the daemon detached from mpiexec. Needs root and `ip netns`; skipped elsewhere.
+which behaves like ssh to another machine (see netns_hosts.py): its own hostname, its own
+/tmp, a bare environment, the daemon detached from mpiexec. Needs root and `ip netns`;
+skipped elsewhere.
 """
 from __future__ import annotations
 
