@@ -1,6 +1,6 @@
 """Every collective, over dtypes, shapes and tensor types, checked against numpy references
 computed from every rank's known inputs. Run twice per launch: with small allreduces sent
-eagerly in the negotiation (default) and with HVD_MAGIC_EAGER=0 (MPI path, fused buckets).
+eagerly in the negotiation (HVD_MAGIC_EAGER=1) and without (the default: MPI path, fused buckets).
 
 Exits nonzero with one line per failed check, prefixed by the rank."""
 import os
@@ -558,7 +558,7 @@ def run_all():
 def main():
     global MODE
     # "gloo": CPU tensors through torch.distributed, the code path CUDA tensors take with NCCL
-    for mode, env in (("eager", {}), ("mpi", {"HVD_MAGIC_EAGER": "0"}),
+    for mode, env in (("eager", {"HVD_MAGIC_EAGER": "1"}), ("mpi", {"HVD_MAGIC_EAGER": "0"}),
                       ("nofusion", {"HVD_MAGIC_EAGER": "0", "HOROVOD_FUSION_THRESHOLD": "0"}),
                       ("gloo", {"HOROVOD_CPU_OPERATIONS": "gloo"})):
         if len(sys.argv) > 1 and mode not in sys.argv[1:]:

@@ -45,6 +45,10 @@ def _dtypes(name: str) -> tuple:
     return pair
 
 
+#: Out-of-place allreduces up to this size run in the persistent buffer (kept per dtype).
+_PERSIST_MAX = 64 * 1024 * 1024
+
+
 def _bytes(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1).view(np.uint8)
 
@@ -85,24 +89,33 @@ class MPIBackend:
                 self.comm.Allreduce(MPI.IN_PLACE, target, op=mop)
                 res = target
                 self._finish(res, op, ann0.postscale, n_contrib)
-            elif red.kind == "f" and op in (ReduceOp.SUM, ReduceOp.AVERAGE):
-                # One pass: scale (prescale, and 1/n for Average) while copying into the
-                # result, then reduce in place; no separate pass after the reduction.
-                res = target if target is not None else np.empty(src.shape, dtype=red)
-                pre = ann0.prescale / n_contrib if op == ReduceOp.AVERAGE else ann0.prescale
-                if pre != 1.0:
-                    np.multiply(src, red.type(pre), out=res)
-                elif res is not src:
-                    np.copyto(res, src)
-                self.comm.Allreduce(MPI.IN_PLACE, res, op=mop)
-                if ann0.postscale != 1.0:
-                    res *= red.type(ann0.postscale)
             else:
-                if ann0.prescale != 1.0:
-                    src = (src * ann0.prescale).astype(red, copy=False)
-                res = np.empty(src.shape, dtype=red)
-                self.comm.Allreduce(src, res, op=mop)
-                self._finish(res, op, ann0.postscale, n_contrib)
+                # Out of place, the reduction runs in this backend's persistent buffer and
+                # the result is copied out: MPI given fresh memory every call is 5x slower
+                # here (1 MiB: 840 us against 170 us with the copies; Open MPI sets up each
+                # new buffer for shared-memory transfer).
+                persistent = target is None and src.nbytes <= _PERSIST_MAX
+                if target is not None:
+                    work = target
+                elif persistent:
+                    work = self._fusion_buffer(red, src.size).reshape(src.shape)
+                else:
+                    work = np.empty(src.shape, dtype=red)
+                pre = ann0.prescale
+                avg_first = red.kind == "f" and op == ReduceOp.AVERAGE
+                if avg_first:     # one pass: 1/n while copying in, none after the reduction
+                    pre /= n_contrib
+                if pre != 1.0:
+                    np.multiply(src, pre, out=work, casting="unsafe")
+                elif work is not src:
+                    np.copyto(work, src, casting="unsafe")
+                self.comm.Allreduce(MPI.IN_PLACE, work, op=mop)
+                if avg_first:
+                    if ann0.postscale != 1.0:
+                        work *= red.type(ann0.postscale)
+                else:
+                    self._finish(work, op, ann0.postscale, n_contrib)
+                res = work.copy() if persistent else work
             if tl:
                 self.tl.add(ann.name, f"{self.prefix}_ALLREDUCE", t0, now_us() - t0,
                             {"bytes": res.nbytes, "tensors": names})
