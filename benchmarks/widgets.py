@@ -67,6 +67,7 @@ def main() -> int:
         res = {"widgets": [], "no-stream": []}
         order = ["widgets", "no-stream"]
         run(kc, CELL.format(flags="--no-stream", steps=50, warm=5))      # pool start, warm-up
+        run(kc, CELL.format(flags="", steps=50, warm=5))     # BokehJS loads once per kernel
         for i in range(args.rounds):
             for mode in (order if i % 2 == 0 else order[::-1]):
                 flags = "--no-stream" if mode == "no-stream" else ""
@@ -84,10 +85,18 @@ def main() -> int:
         km.shutdown_kernel(now=True)
     w, n = statistics.median(res["widgets"]), statistics.median(res["no-stream"])
     ratio = w / n
+    # Each round runs the two cells back to back (order alternating), so the per-round ratio
+    # cancels the machine's drift between rounds (on the 2-core VM a whole round can run
+    # 20-30% slower than the next); its median is the figure the target is judged on.
+    paired = [a / b for a, b in zip(res["widgets"], res["no-stream"])]
+    pr = statistics.median(paired)
     print(f"\nmedian throughput: widgets {w:.0f} samples/s, --no-stream {n:.0f} samples/s, "
-          f"ratio {ratio:.3f} ({(ratio - 1) * 100:+.1f}%)")
+          f"ratio of medians {ratio:.3f} ({(ratio - 1) * 100:+.1f}%)")
+    print(f"per-round ratios (widgets / --no-stream, same round): "
+          f"{' '.join(f'{x:.3f}' for x in paired)}; median {pr:.3f} ({(pr - 1) * 100:+.1f}%)")
     print("last widget cell, as the text summary:\n" + live_out)
-    print(("PASS" if ratio >= 0.95 else "MISS") + " widgets within 5% of --no-stream")
+    print(("PASS" if pr >= 0.95 else "MISS") + " widgets within 5% of --no-stream "
+          "(median of the per-round ratios)")
     return 0
 
 

@@ -301,3 +301,44 @@ ip.run_line_magic("hvd", "stop")
     assert proc.returncode == 0, out + proc.stderr
     assert "SIZES [1, 2] RATES True" in out
     assert "efficiency" in out and "100%" in out      # the table, with the 1-rank row at 100%
+
+
+def test_background_renderer_drains_ticks_and_lets_go():
+    """The kernel-side renderer thread (nice +10 on Linux) drains each registered panel's
+    feed and ticks it until the panel is removed; removing waits for a tick in progress."""
+    import sys
+    import time
+
+    from hvd_magic.widgets.sink import _Renderer
+
+    class Feed:
+        def __init__(self):
+            self.drains = 0
+
+        def drain(self):
+            self.drains += 1
+            return 0
+
+    class Panel:
+        def __init__(self):
+            self.feed, self.ticks = Feed(), 0
+
+        def tick(self):
+            self.ticks += 1
+
+    r = _Renderer()
+    r.period = 0.01
+    p = Panel()
+    r.add(p)
+    deadline = time.monotonic() + 5
+    while p.ticks < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert p.ticks >= 3 and p.feed.drains >= 3
+    r.remove(p)
+    seen = p.ticks
+    time.sleep(0.1)
+    assert p.ticks == seen
+    assert r.thread is not None and r.thread.name == "hvdm-render"
+    if sys.platform.startswith("linux"):
+        assert r.niced
+        assert os.getpriority(os.PRIO_PROCESS, r.thread.native_id) >= 10

@@ -38,7 +38,11 @@ from .timeline import CYCLE, NEGOTIATE, QUEUE, Timeline, TimelineWriter, now_us
 SLOT = 2048            # bytes per rank in the first negotiation round (more: a second round)
 EAGER_SLOT = 8192      # the same with HVD_MAGIC_EAGER=1
 EAGER_MAX = 4096       # with HVD_MAGIC_EAGER=1, an allreduce input this small rides in the message
-SPIN_S = 200e-6        # poll without sleeping this long (only while a user thread waits)
+# Poll without sleeping this long, only while a user thread waits (so the rank has nothing
+# else to run). On the 2-core VM a training step's wait is mostly under a few ms, and a
+# sleep-poll there gives the core away and comes back late: 2-rank training ran ~20% faster
+# with 5 ms than with 0.2 ms (benchmarks/README.md). A long wait still costs ~3% of a core.
+SPIN_S = 5e-3
 INLINE_SPIN_S = 200e-6  # a waiting caller runs the cycle itself for at most this long
 MIN_SLEEP_S = 20e-6
 MAX_POLL_S = 1e-3      # longest sleep between polls while waiting for other ranks

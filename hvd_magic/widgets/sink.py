@@ -305,6 +305,7 @@ class TelemetryTextSink(TextSink):
         self.finalize()
 
     def finalize(self) -> None:
+        RENDERER.remove(self)
         if self.feed is not None:
             self.feed.drain()
         with self.lock:
@@ -357,12 +358,74 @@ def _drop_bokeh_loader() -> None:
         update_display({"text/plain": ""}, raw=True, display_id=did)
 
 
+class _Renderer:
+    """One thread per kernel that drains the telemetry of running ``%%hvd`` cells and redraws
+    their panels, at a lower CPU priority (nice +10, Linux; elsewhere normal).
+
+    On a machine whose cores all run ranks, a redraw on the kernel's main thread preempted
+    a rank, and since the ranks meet in every collective, all of them lost that time. At
+    nice +10 the drawing mostly runs in the time ranks spend waiting in collectives.
+    """
+
+    period = 0.15     # drain this often; panels redraw at their own ``refresh``
+
+    def __init__(self) -> None:
+        self.sinks: List[Any] = []
+        self.mu = threading.Lock()        # held while ticking: remove() waits for it
+        self.wake = threading.Event()
+        self.thread: Optional[threading.Thread] = None
+        self.niced = False
+
+    def add(self, sink: Any) -> None:
+        with self.mu:
+            if sink not in self.sinks:
+                self.sinks.append(sink)
+            if self.thread is None or not self.thread.is_alive():
+                self.thread = threading.Thread(target=self._run, name="hvdm-render", daemon=True)
+                self.thread.start()
+        self.wake.set()
+
+    def remove(self, sink: Any) -> None:
+        with self.mu:
+            if sink in self.sinks:
+                self.sinks.remove(sink)
+
+    def _run(self) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+            self.niced = True
+        except (AttributeError, OSError):   # not Linux: the thread keeps the normal priority
+            pass
+        while True:
+            if not self.sinks:
+                self.wake.wait()
+                self.wake.clear()
+                continue
+            time.sleep(self.period)
+            with self.mu:
+                for sink in list(self.sinks):
+                    feed = sink.feed
+                    if feed is None:
+                        continue
+                    try:
+                        feed.drain()
+                        sink.tick()
+                    except Exception as exc:  # noqa: BLE001 - never kill the cell for the UI
+                        LAST["feed_error"] = repr(exc)
+
+
+RENDERER = _Renderer()
+
+
 class WidgetSink:
     """The live panel of one ``%%hvd`` cell: status badges, stall/failure banner, throughput
     and scaling efficiency, a log lane per rank (with a filter), and a bokeh timeline with
     one row per rank; a static HTML snapshot is emitted when the cell ends."""
 
     live = True
+    #: drain and redraw on :data:`RENDERER`'s low-priority thread (``HVD_MAGIC_RENDER_THREAD=0``:
+    #: on the kernel's main thread, from the pool's wait loop)
+    feed_in_background = os.environ.get("HVD_MAGIC_RENDER_THREAD", "1") != "0"
 
     def __init__(self, ranks: Optional[Sequence[int]] = None, max_lines: int = 200,
                  refresh: float = 0.45, rollover: int = 3000) -> None:
@@ -485,6 +548,8 @@ class WidgetSink:
             LAST["sink"] = self
         self._set_ranks(ranks)
         self.render()
+        if self.feed_in_background:
+            RENDERER.add(self)
 
     def submitted(self, ar: Any) -> None:
         """``Pool.run_cell`` sent the cell (``ar``: its AsyncResult)."""
@@ -492,8 +557,9 @@ class WidgetSink:
             self.feed.pin(ar)
 
     def poll(self) -> None:
-        """``Pool.run_cell``'s wait loop: new telemetry, at most every feed period."""
-        if self.feed is not None:
+        """``Pool.run_cell``'s wait loop: new telemetry, at most every feed period (unless the
+        background renderer does it)."""
+        if self.feed is not None and not self.feed_in_background:
             self.feed.poll()
 
     def ingest(self, batches: Sequence[Mapping[str, Any]]) -> None:
