@@ -159,11 +159,22 @@ case "$host" in
 {cases}
   *) echo "agent: unknown host $host" >&2; exit 255 ;;
 esac
+# A checkout under /tmp (KEEP) stays visible: bound aside, then back over the empty /tmp.
 exec setsid -f ip netns exec "$ns" unshare -u -m sh -c \\
-  'mount -t tmpfs -o mode=1777 tmp /tmp && hostname "$0" &&
+  'if [ -n "$3" ]; then mkdir -p /run/hvdm-keep && mount --bind "$3" /run/hvdm-keep; fi &&
+   mount -t tmpfs -o mode=1777 tmp /tmp &&
+   if [ -n "$3" ]; then mkdir -p "$3" && mount --bind /run/hvdm-keep "$3"; fi &&
+   hostname "$0" &&
    exec env -i PATH=/usr/local/bin:/usr/bin:/bin HOME="$2" sh -c "$1"' \\
-  "$ns" "$*" "${{HOME:-/}}"
+  "$ns" "$*" "${{HOME:-/}}" {keep}
 """
+
+
+def _checkout_under_tmp() -> str:
+    """This checkout's root when it lies under /tmp (a CI clone, say), else ``""``: host B
+    gets its own empty /tmp, which would hide the venv the ranks there run."""
+    root = os.path.realpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    return root if root == "/tmp" or root.startswith("/tmp/") else ""
 
 
 class TwoHosts:
@@ -203,7 +214,8 @@ class TwoHosts:
             cases = "\n".join(f"  {h.ip}|{h.ns}) ns={h.ns} ;;" for h in self.hosts)
             self.agent = os.path.join(self.dir, "agent")
             with open(self.agent, "w") as fh:
-                fh.write(AGENT.format(log=shlex.quote(self.agent_log), cases=cases))
+                fh.write(AGENT.format(log=shlex.quote(self.agent_log), cases=cases,
+                                      keep=shlex.quote(_checkout_under_tmp())))
             os.chmod(self.agent, 0o755)
         except BaseException:
             self.destroy()
@@ -279,7 +291,14 @@ class TwoHosts:
                 os.killpg(proc.pid, signal.SIGKILL)
             except OSError:
                 pass
-            out, err = proc.communicate()
+            for pids in self.pids().values():      # what it started on the hosts
+                for pid in pids:
+                    _kill(pid)
+            try:
+                out, err = proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:     # a grandchild still holds the pipes
+                proc.kill()
+                out, err = "(output lost: the pipes stayed open)", ""
             raise AssertionError(f"{' '.join(argv)} did not finish within {timeout} s\n"
                                  f"stdout:\n{out}\nstderr:\n{err}\nagent:\n{self.agent_calls()}"
                                  ) from None
