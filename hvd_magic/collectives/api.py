@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 import pickle
 import threading
 from typing import Any, Optional, Sequence
@@ -22,6 +23,8 @@ from .plan import Ann
 from .state import _require, engine
 
 _counters: dict[str, itertools.count] = {}
+_DTYPE_OF = operator.attrgetter("dtype")
+_SHAPE_OF = operator.attrgetter("shape")
 _counter_lock = threading.Lock()
 
 
@@ -105,6 +108,8 @@ class GroupHandle:
         return all(h.done() for h, _ in self._parts)
 
     def wait(self, timeout: Optional[float] = None) -> list:
+        if len(self._parts) == 1 and len(self._parts[0][1]) == self._count:
+            return self._parts[0][0].wait(timeout)     # one part, already in the user's order
         out: list = [None] * self._count
         for handle, idxs in self._parts:
             for i, piece in zip(idxs, handle.wait(timeout)):
@@ -121,8 +126,8 @@ def _grouped(tensors: Sequence[Any], name: Optional[str], op: Any, prescale: flo
     base = _name("grouped_allreduce", name)
     groups: dict[tuple, list[int]] = {}
     first = tensors[0] if tensors else None
-    if (isinstance(first, np.ndarray) and type(first) is np.ndarray
-            and all(type(t) is np.ndarray and t.dtype == first.dtype for t in tensors)):
+    if (type(first) is np.ndarray and set(map(type, tensors)) == {np.ndarray}
+            and len(set(map(_DTYPE_OF, tensors))) == 1):
         # the common case (numpy arrays of one dtype): one check, not one per tensor
         dtype, _, _ = _check_tensor(first, "grouped_allreduce")
         groups[(dtype, "cpu", False)] = list(range(len(tensors)))
@@ -143,21 +148,24 @@ def _grouped(tensors: Sequence[Any], name: Optional[str], op: Any, prescale: flo
                 parts.append((_Single(h), [i]))
             continue
         members = [tensors[i] for i in idxs]
-        shapes = [tuple(t.shape) for t in members]
+        shapes = list(map(_SHAPE_OF, members))
         if not is_t:
-            flat = np.concatenate([t.reshape(-1) for t in members]).astype(members[0].dtype.newbyteorder("="), copy=False)
+            # axis=None flattens each input inside numpy (no reshape call per tensor)
+            flat = np.concatenate(members, axis=None)
+            if not flat.dtype.isnative:
+                flat = flat.astype(flat.dtype.newbyteorder("="))
         else:
             flat = np.concatenate([ops.as_numpy(t).reshape(-1) for t in members])
+        ends = list(itertools.accumulate(map(math.prod, shapes)))
+        bounds = list(zip([0] + ends[:-1], ends))
+        flat_1d = all(len(sh) == 1 for sh in shapes)
 
         def split(result: Any, _extra: Any, members=members, shapes=shapes, dtype=dtype,
-                  is_t=is_t) -> list:
+                  is_t=is_t, bounds=bounds, flat_1d=flat_1d) -> list:
             if not is_t and not inplace:
-                ends = itertools.accumulate(math.prod(sh) for sh in shapes)
-                out, start = [], 0
-                for end, sh in zip(ends, shapes):
-                    out.append(result[start:end].reshape(sh))
-                    start = end
-                return out
+                if flat_1d:    # the usual gradients: the slices already have their shapes
+                    return [result[a:b] for a, b in bounds]
+                return [result[a:b].reshape(sh) for (a, b), sh in zip(bounds, shapes)]
             pieces, off = [], 0
             for t, shape in zip(members, shapes):
                 n = math.prod(shape)
