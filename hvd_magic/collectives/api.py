@@ -38,7 +38,14 @@ def _name(kind: str, name: Optional[str]) -> str:
         return f"{kind}.noname.{next(c)}"
 
 
+_NP_NAMES = ops._NP_NAMES
+
+
 def _check_tensor(tensor: Any, what: str) -> tuple:
+    if type(tensor) is np.ndarray:          # the common case, without the torch checks
+        name = _NP_NAMES.get(tensor.dtype)
+        if name is not None:
+            return name, tensor.shape, "cpu"
     if not (isinstance(tensor, np.ndarray) or ops.is_torch(tensor)):
         raise TypeError(f"{what} takes a numpy array or a torch tensor, not {type(tensor).__name__}")
     return ops.dtype_name(tensor), tuple(tensor.shape), ops.device_of(tensor)

@@ -241,6 +241,12 @@ class Negotiator:
         eager = [dict(m.payloads) if m.payloads else None for m in msgs]
         out = []
         ranks = range(self.size)
+        if all(m.anns == m0.anns for m in msgs) and not any(eager) and all(
+                a.kind != "alltoall" for a in m0.anns):
+            # Every rank sent the very same requests: they agree, nothing to compare one by one.
+            for a in m0.anns:
+                out.append(Response(a.name, a.kind, dict.fromkeys(ranks, a)))
+            return out
         for i, name in enumerate(names):
             anns = {r: msgs[r].anns[i] for r in ranks}
             first = m0.anns[i]
