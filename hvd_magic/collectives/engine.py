@@ -288,6 +288,10 @@ class Engine:
             raise ValueError(f"a {self._inflight[ann.name].ann.kind} of tensor '{ann.name}' is "
                              "already in flight on this rank; wait for it (hvd.synchronize) "
                              "or use another name")
+        if ann.device != "cpu" and self.inline:
+            # CUDA tensors: NCCL's streams and the current device are set up on the engine
+            # thread; from now on every cycle runs there.
+            self.inline = False
         self._new.append(req)
         if urgent:
             self._urgent = True
@@ -480,7 +484,7 @@ class Engine:
         (only the main thread gets it) so that an interrupt never leaves a cycle half done."""
         deferred = _defer_sigint()
         try:
-            if self._ended or self._inline_exc is not None:
+            if self._ended or self._inline_exc is not None or not self.inline:
                 return
             if self._px is None:
                 if not (self._new or self._cancels or self._join_announce or self._shutdown_announce):
