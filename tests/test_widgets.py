@@ -342,3 +342,17 @@ def test_background_renderer_drains_ticks_and_lets_go():
     if sys.platform.startswith("linux"):
         assert r.niced
         assert os.getpriority(os.PRIO_PROCESS, r.thread.native_id) >= 10
+
+
+def test_a_finished_panel_leaves_the_renderer():
+    """A real WidgetSink registers with the background renderer when its cell begins and
+    leaves it when the cell ends (else finished panels would be redrawn for ever)."""
+    pytest.importorskip("ipywidgets")
+    pytest.importorskip("jupyter_bokeh")
+    from hvd_magic.widgets import sink as S
+
+    panel = S.WidgetSink(ranks=[0, 1])
+    panel.begin([0, 1], None, 2)
+    assert panel in S.RENDERER.sinks
+    panel.finalize()
+    assert panel not in S.RENDERER.sinks

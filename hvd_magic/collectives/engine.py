@@ -487,7 +487,7 @@ class Engine:
             if self._ended or self._inline_exc is not None or not self.inline:
                 return
             if self._px is None:
-                if not (self._new or self._cancels or self._join_announce or self._shutdown_announce):
+                if not self._has_news():
                     return
                 self._post_exchange(self._take_message())
             req = self._px[0]

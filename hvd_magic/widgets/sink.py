@@ -305,7 +305,6 @@ class TelemetryTextSink(TextSink):
         self.finalize()
 
     def finalize(self) -> None:
-        RENDERER.remove(self)
         if self.feed is not None:
             self.feed.drain()
         with self.lock:
@@ -676,6 +675,7 @@ class WidgetSink:
         self.finalize()
 
     def finalize(self) -> None:
+        RENDERER.remove(self)
         if self.feed is not None:
             self.feed.drain()
         with self.lock:
