@@ -65,6 +65,7 @@ def test_single_host_plan_uses_ipc_namespace_and_no_nanny():
     assert plan.client_info["interface"] == "ipc:///tmp/hvdm-test/s"
     assert "--IPController.transport=ipc" in plan.controller_argv
     assert "--HeartMonitor.period=100" in plan.controller_argv
+    assert "--HeartMonitor.max_heartmonitor_misses=30" in plan.controller_argv
     env = plan.engine_env
     assert env["OMPI_MCA_btl"] == "self,sm"
     assert env["PRTE_MCA_rmaps_default_mapping_policy"] == ":oversubscribe"
@@ -225,3 +226,34 @@ def test_stale_pool_directories_are_cleaned(tmp_path):
     os.utime(old, (time.time() - 3600, time.time() - 3600))
     assert clean_stale_dirs(str(tmp_path)) == [str(old)]
     assert new.exists() and not old.exists()
+
+
+def test_a_paused_rank_keeps_the_pool_until_the_heartbeat_limit():
+    """A rank that stops answering the controller's heartbeat for a moment (here: SIGSTOP,
+    as a loaded machine or a debugger would) must not lose a healthy pool, and a rank silent
+    past the limit (3 s) ends the pool with an error naming that rank and why."""
+    import signal
+    import threading
+    from hvd_magic.kernel.output import RankDiedError
+    m = PoolManager()
+    try:
+        pool = m.ensure(2, None, None, TextSink())
+        pid = pool.pids[1]
+
+        def pause(seconds: float) -> None:
+            os.kill(pid, signal.SIGSTOP)
+            threading.Timer(seconds, os.kill, (pid, signal.SIGCONT)).start()
+
+        pause(1.5)
+        out = pool.run_cell("import hvd_magic.collectives as hvd\nhvd.rank()", TextSink())
+        assert out.results[1]["text/plain"] == "1"
+        assert pool.alive()
+        pause(6.0)
+        with pytest.raises(RankDiedError) as info:
+            pool.run_cell("import time\ntime.sleep(8)", TextSink())
+        text = str(info.value)
+        assert "rank 1" in text and "heartbeat" in text, text
+        assert "MPI job ended" not in text, text
+    finally:
+        m.stop()
+    assert not wait_no_pool_processes(3.0)

@@ -30,6 +30,12 @@ from ..runner.plan import LOCAL_NAMES, NETNS_NOTE, NO_NETNS_NOTE, OPENMPI, Host,
 #: ipyparallel's controller heartbeat period for the pool (ms); its default of 3000 ms is
 #: most of the default 6.7 s start (engines are confirmed on the next beat).
 HEARTBEAT_MS = 100
+#: Beats a rank may miss in a row before the controller drops it (ipyparallel's default: 10).
+#: At 10 x 100 ms a 2-rank training cell on the loaded 2-core VM lost a healthy pool: both
+#: ranks' answers arrived ~0.6 s late together (controller.log, 2026-11-23). Dead ranks on
+#: one host are found from mpiexec's exit instead, and a lost host by prterun's keepalive
+#: after ~5 s (../shared/FACTS.md), so a 3 s limit costs no detection time.
+HEARTBEAT_MISSES = 30
 
 #: Cluster id in the connection files' names.
 CLUSTER_ID = "hvd"
@@ -172,6 +178,7 @@ def plan_pool(config: PoolConfig) -> PoolPlan:
     controller = [py, "-m", "hvd_magic.kernel._controller", f"--profile-dir={config.workdir}",
                   f"--cluster-id={CLUSTER_ID}", "--reuse", "--log-level=WARN",
                   f"--HeartMonitor.period={config.heartbeat_ms}",
+                  f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
                   "--IPController.registration_timeout=10",
                   "--IPController.broadcast_scheduler_depth=1"]
     if single and config.ipc:

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from .output import OutputSink, PoolCellError, PoolCellInterrupted, PoolCellTimeout, \
     RankDiedError, RankFailure, ranks_text
-from .plan import PoolConfig, PoolPlan, plan_pool
+from .plan import HEARTBEAT_MISSES, PoolConfig, PoolPlan, plan_pool
 from .procs import descendants, describe_exit, engine_pids, parse_rank_exits, spawn, \
     stop_tree, tail, wait_until
 
@@ -210,7 +210,20 @@ class Pool:
         for name, proc in (("mpiexec", self.mpiexec), ("the controller", self.controller)):
             if proc is None or proc.poll() is not None:
                 return f"{name} {describe_exit(None if proc is None else proc.returncode)}"
+        missing = sorted(set(range(self.config.np)) - set(self._ids()))
+        if missing:
+            s = "s" if len(missing) > 1 else ""
+            return (f"the controller stopped hearing from rank{s} "
+                    f"{', '.join(map(str, missing))} (no heartbeat answer for "
+                    f"{HEARTBEAT_MISSES * self.config.heartbeat_ms / 1000:g} s: the rank or "
+                    f"its host hung, or was paused that long)")
         return "the ranks stopped answering"
+
+    def _ids(self) -> List[int]:
+        try:
+            return list(self.client.ids) if self.client is not None else []
+        except Exception:  # noqa: BLE001 - client closed
+            return []
 
     def stop(self) -> None:
         """Stop everything this pool started (idempotent); no process is left behind."""
@@ -445,12 +458,15 @@ class Pool:
         log = tail(os.path.join(self.config.workdir, "mpiexec.log"), 20000)
         exits = parse_rank_exits(log)
         what = self._why_ended()
+        ended = bool(exits) or self.mpiexec is None or self.mpiexec.poll() is not None
+        unheard = [] if ended else sorted(set(range(self.config.np)) - set(self._ids()))
         self.ended = what
         self.stop()
         dead = [RankFailure(e.rank, "died", "", e.how) for e in exits] or [
+            RankFailure(r, "died", "", what) for r in unheard] or [
             f for f in failures if f.kind == "died"] or [RankFailure(targets[0], "died", "", what)]
-        note = ("the MPI job ended, so the pool was stopped; the next %%hvd cell starts a new "
-                "one")
+        note = ("the MPI job ended, so " if ended else "") + (
+            "the pool was stopped; the next %%hvd cell starts a new one")
         err = RankDiedError(dead, note)
         err.log = log  # type: ignore[attr-defined]
         return err
