@@ -574,7 +574,18 @@ class Engine:
                     return
         delay = MIN_SLEEP_S
         last_tick = time.monotonic()
+        spun = self.waiters > 0
         while not req.Test():
+            if not spun and self.waiters > 0:
+                # A user thread started waiting while this thread slept: from now on the
+                # rank has nothing else to run, so poll without sleeping for a moment
+                # (the backoff would otherwise answer the peers up to MAX_POLL_S late).
+                spun = True
+                t0 = time.perf_counter()
+                while time.perf_counter() - t0 < SPIN_S:
+                    if req.Test():
+                        return
+                continue
             time.sleep(delay)
             delay = min(delay * 2, MAX_POLL_S)
             now = time.monotonic()
