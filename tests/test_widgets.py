@@ -264,6 +264,10 @@ def test_two_rank_cell_telemetry_through_text_sink(capsys):
             assert cell.rates()[r] and 300 < cell.rates()[r] < 2000
         err = capsys.readouterr().err
         assert "hvd: throughput" in err and "collectives in flight" in err
+        # the telemetry batches do not each leave a warning in the controller's log
+        with open(os.path.join(pool.config.workdir, "controller.log")) as f:
+            log = f.read()
+        assert "data_message" not in log, log[-2000:]
         # a failing cell: the rank and the reason
         snk = S.TelemetryTextSink(ranks=[0, 1])
         with pytest.raises(Exception):

@@ -7,6 +7,7 @@ made consistent (its controller binds ``ipc://PATH-PORT`` while clients and engi
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from typing import Any, Optional
@@ -24,10 +25,23 @@ def _construct_url(self: Any, kind: str, channel: str, index: Optional[int] = No
     return f"{info['interface']}:{port}"
 
 
+class _QuietTelemetry(logging.Filter):
+    """Drops the hub's warning about ``data_message`` on IOPub: the ranks' live telemetry
+    (hvd_magic.widgets.telemetry) arrives as such messages several times a second while a
+    cell runs, and each one wrote a warning line to controller.log (~8 lines a second on 2
+    ranks, for as long as the pool lives)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "unhandled iopub msg_type: %r"
+                    and record.args == ("data_message",))
+
+
 def main() -> None:
     """Patch the controller class, then run ipyparallel's controller app."""
     os.umask(0o077)
     from ipyparallel.controller.app import IPController, main as controller_main
+
+    logging.getLogger(IPController.__name__).addFilter(_QuietTelemetry())
 
     IPController.construct_url = _construct_url  # type: ignore[method-assign]
     controller_main()
