@@ -65,7 +65,7 @@ def benchmarks() -> list:
                   "torch training 1 vs 2 ranks (CNN, 64-layer MLP): hvd DistributedOptimizer vs DDP (gloo)"),
         Benchmark("pool", [PYTHON, str(ROOT / "benchmarks/pool.py")], {}, 600.0,
                   "%%hvd pool start to first output and empty-cell round trip vs ipyparallel"),
-        Benchmark("widgets", [PYTHON, str(HERE / "widgets.py")], dict(MPI_ENV), 400.0,
+        Benchmark("widgets", [PYTHON, str(HERE / "widgets.py")], dict(MPI_ENV), 600.0,
                   "2-rank torch cell: live widgets vs --no-stream throughput (target within 5%)"),
         Benchmark("keras_training", [PYTHON, str(HERE / "keras_training.py")], dict(MPI_ENV), 900.0,
                   "Keras CNN images/s at 1 and 2 ranks, hvd_magic.keras vs MultiWorkerMirroredStrategy"),
