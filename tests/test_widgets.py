@@ -366,7 +366,8 @@ def test_live_panels_lower_the_kernels_autogroup_priority():
     """The renderer lowers the kernel's scheduler autogroup (Linux; the ranks run in their
     own session, and Linux shares the CPU between sessions before it looks at thread nice
     values), once, to HVD_MAGIC_KERNEL_NICE; 0 leaves it alone. In a child process with a
-    session of its own, as a Jupyter kernel has."""
+    session of its own, as a Jupyter kernel has; a process that does not lead its session
+    leaves the group alone."""
     import subprocess
     import sys
     if not os.path.exists("/proc/self/autogroup"):
@@ -390,6 +391,14 @@ def test_live_panels_lower_the_kernels_autogroup_priority():
         line = proc.stdout.split("GROUP", 1)[1]
         assert line.strip().endswith(f"nice {want}"), (value, line)
         assert line.split()[0] == (str(want) if want else "None"), (value, line)
+    # not a session leader (an IPython started from a shell): the group is the shell's, and
+    # stays as it is
+    ours = open("/proc/self/autogroup").read().strip()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env=dict(os.environ, HVD_MAGIC_KERNEL_NICE="19"))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("GROUP", 1)[1].split()[0] == "None", proc.stdout
+    assert open("/proc/self/autogroup").read().strip() == ours
 
 
 def test_lower_autogroup_priority_only_raises_and_reports(tmp_path):

@@ -431,7 +431,9 @@ class _Renderer:
         except (AttributeError, OSError):   # not Linux: the thread keeps the normal priority
             pass
         nice = kernel_nice()
-        if nice > 0:
+        # Only a session leader (a Jupyter kernel: jupyter_client starts each in a session
+        # of its own) owns its autogroup; otherwise the group is the user's shell or server.
+        if nice > 0 and hasattr(os, "getsid") and os.getsid(0) == os.getpid():
             self.group_nice = lower_autogroup_priority(nice)
         while True:
             if not self.sinks:
