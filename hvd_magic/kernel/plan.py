@@ -31,8 +31,9 @@ from ..runner.plan import LOCAL_NAMES, NETNS_NOTE, NO_NETNS_NOTE, OPENMPI, Host,
 #: most of the default 6.7 s start (engines are confirmed on the next beat).
 HEARTBEAT_MS = 100
 #: Beats a rank may miss in a row before the controller drops it (ipyparallel's default: 10).
-#: At 10 x 100 ms a 2-rank training cell on the loaded 2-core VM lost a healthy pool: both
-#: ranks' answers arrived ~0.6 s late together (controller.log, 2026-11-23). Dead ranks on
+#: At 10 x 100 ms a 2-rank training cell on the loaded 2-core VM lost its pool while
+#: mpiexec and every rank were still up; in another run both ranks' answers arrived ~0.6 s
+#: late together, six beats missed in a row (controller.log, 2026-11-23). Dead ranks on
 #: one host are found from mpiexec's exit instead, and a lost host by prterun's keepalive
 #: after ~5 s (../shared/FACTS.md), so a 3 s limit costs no detection time.
 HEARTBEAT_MISSES = 30

@@ -373,7 +373,7 @@ def lower_autogroup_priority(nice: int, path: str = "/proc/self/autogroup") -> O
     nice values of the threads inside them, and the pool's ranks run in their own session.
     So a redraw in the kernel, even from a thread at nice +10, took a rank's core at equal
     weight, and all ranks lost that time at their next collective: 2-rank training with
-    live widgets ran at 0.87 of ``--no-stream``; with the kernel's group at nice 19, 0.97
+    live widgets ran at 0.87 of ``--no-stream``; with the kernel's group at nice 19, 0.99
     (benchmarks/README.md). A user cannot lower it again (that needs CAP_SYS_NICE), so it
     stays for the kernel's life: the kernel then yields to its own busy ranks, and runs at
     full speed whenever they wait or the machine has a free core."""
