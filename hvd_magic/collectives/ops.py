@@ -114,6 +114,8 @@ def device_of(x: Any) -> str:
 
 def as_numpy(x: Any) -> np.ndarray:
     """A contiguous numpy view (or copy) of a CPU tensor. bfloat16 travels as int16 bits."""
+    if type(x) is np.ndarray and x.flags.c_contiguous and x.dtype.isnative:
+        return x                # the common case, without the checks below
     if is_torch(x):
         t = x.detach()
         if t.device.type != "cpu":

@@ -344,12 +344,15 @@ def plan_fusion(responses: list, threshold: int) -> list:
     a bucket takes the place of its first member."""
     plan: list = []
     open_buckets: dict[tuple, tuple[Bucket, int]] = {}
+    itemsize = _ITEMSIZE.get
     for resp in responses:
         if resp.kind != "allreduce" or resp.error is not None or resp.data is not None:
             plan.append(resp)   # eager allreduces are reduced locally from the negotiation data
             continue
-        key = fusion_key(resp)
-        size = nbytes(resp.first)
+        # fusion_key() and nbytes(), inline: this loop runs once per tensor of every cycle
+        a = next(iter(resp.anns.values()))
+        key = (a.dtype, a.op, a.prescale, a.postscale, a.device, resp.joined)
+        size = math.prod(a.shape or ()) * (itemsize(a.dtype) or buffer_itemsize(a.dtype or "uint8"))
         current = open_buckets.get(key)
         if threshold > 0 and current is not None and current[1] + size <= threshold:
             current[0].responses.append(resp)

@@ -127,7 +127,16 @@ class MPIBackend:
         buf = self._fusion_buffer(red, total)
         t0 = now_us() if tl else 0.0
         off = 0
-        for (req, ann), n in zip(entries, sizes):
+        packed = False
+        if not half and ann0.prescale == 1.0:
+            try:
+                srcs = [req.src() for req, _ in entries]
+            except AttributeError:      # a joined rank's entry (None) fills in identity values
+                srcs = None
+            if srcs is not None:        # one C call packs them all (100 x 4 KiB: 1 us a tensor less)
+                np.concatenate(srcs, axis=None, out=buf, casting="unsafe")
+                packed = True
+        for (req, ann), n in zip(() if packed else entries, sizes):
             dst = buf[off:off + n]
             if req is None:
                 dst.fill(ops.identity(op, red))
@@ -151,16 +160,17 @@ class MPIBackend:
         for (req, ann), n in zip(entries, sizes):
             if req is not None:
                 part = buf[off:off + n]
+                out = req.out
+                if type(out) is np.ndarray and not half and out.flags.c_contiguous:
+                    out.reshape(-1)[...] = part      # in place into a numpy array: one copy
+                    req.handle._result = out
+                    off += n
+                    continue
                 if half:
                     out = np.empty(n, dtype=ops.np_dtype(dtype))
                     ops.downcast_into(out, part, dtype)
                 elif req.out is None:
                     out = fresh[off:off + n]
-                elif type(req.out) is np.ndarray and req.out.flags.c_contiguous:
-                    req.out.reshape(-1)[...] = part      # in place into a numpy array: one copy
-                    req.handle._result = req.out
-                    off += n
-                    continue
                 else:
                     out = part
                 req.set_array(out.reshape(ann.shape), dtype)
