@@ -58,3 +58,34 @@ def test_engine_thread_only_path_at_3_ranks(tmp_path):
     assert proc.stdout.count("coll_misc OK") == 3, proc.stdout
     proc = mpirun("coll_errors.py", 3, env=env, timeout=120)
     assert proc.stdout.count("coll_errors OK") == 3, proc.stdout
+
+
+def test_result_pool_reuses_only_arrays_nobody_holds():
+    """The backend's pool of result arrays (out-of-place allreduces >= 256 KiB) hands an
+    array out again only when no result, view or torch tensor over it is left, and keeps at
+    most its budget."""
+    import numpy as np
+
+    from hvd_magic.collectives.backends.mpi import ResultPool
+    f32 = np.dtype("float32")
+    pool = ResultPool(budget=10 * 4000)
+    res = np.empty(1000, f32)
+    pool.keep(res)
+    assert pool.free(f32, 1000) is None                    # the user holds it
+    view = res.reshape(10, 100)[::2]
+    del res
+    assert pool.free(f32, 1000) is None                    # a view holds it
+    torch = pytest.importorskip("torch")
+    t = torch.from_numpy(view)
+    del view
+    assert pool.free(f32, 1000) is None                    # a tensor holds it
+    del t
+    again = pool.free(f32, 1000)
+    assert again is not None and again.size == 1000        # nobody holds it
+    assert pool.free(np.dtype("float64"), 1000) is None and pool.free(f32, 999) is None
+    del again
+    for _ in range(20):                                     # within budget, free ones dropped
+        pool.keep(np.empty(1000, f32))
+    assert sum(b.nbytes for b in pool.held) <= 10 * 4000
+    pool.keep(np.empty(20000, f32))                        # bigger than the budget: not kept
+    assert all(b.size == 1000 for b in pool.held)

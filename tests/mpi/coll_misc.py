@@ -161,6 +161,30 @@ def _():
     check(np.allclose(hvd.allreduce(np.full(10, 1.0), name="dup"), 1.0), "reuse of finished name")
 
 
+@section("results of big out-of-place allreduces")
+def _():
+    # Results of >= 256 KiB come from a pool of arrays reused once the user let go of them:
+    # a result still held (directly, as a view, or as a torch tensor) must never be written.
+    k = 1 << 18                                              # 1 MiB of float32
+    held = []
+    for i in range(6):
+        res = hvd.allreduce(np.full(k, float(r + i)), name="big oop")   # Average
+        check(np.allclose(res, (n - 1) / 2 + i), f"big Average round {i}")
+        if i % 2 == 0:
+            held.append((i, res[::2]))                       # keep a view of every other one
+    for i, view in held:
+        check(np.allclose(view, (n - 1) / 2 + i), f"held result {i} was overwritten")
+    try:
+        import torch
+    except ImportError:
+        return
+    t = torch.from_numpy(hvd.allreduce(np.full(k, 1.0, np.float32), name="big t", op=hvd.Sum))
+    for i in range(3):
+        check(np.allclose(hvd.allreduce(np.full(k, 2.0, np.float32), name="big u", op=hvd.Sum),
+                          2.0 * n), f"second big result {i}")
+    check(bool((t == float(n)).all()), "a torch tensor over a result was overwritten")
+
+
 def load_timeline(path):
     with open(path) as f:
         return json.load(f)
