@@ -4,9 +4,10 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import os
+import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from .errors import NOT_INITIALIZED
 
@@ -75,6 +76,7 @@ def init(comm: Optional[Any] = None) -> None:
 
         cfg = Config.from_env()
         _set_switch_interval()
+        tune_malloc(os.environ)
         mine = base.Dup()
         local = mine.Split_type(MPI.COMM_TYPE_SHARED, key=mine.Get_rank())
         cross = mine.Split(color=local.Get_rank(), key=mine.Get_rank())
@@ -94,6 +96,47 @@ def init(comm: Optional[Any] = None) -> None:
         if cfg.timeline and _state.rank == 0:
             engine.writer = TimelineWriter(cfg.timeline, cfg.timeline_mark_cycles)
         _state.engine = engine
+
+
+#: glibc's mallopt parameters, and the values set by :func:`tune_malloc`.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+MALLOC_MMAP_THRESHOLD = 32 * 1024 * 1024    # glibc's maximum
+MALLOC_TRIM_THRESHOLD = 64 * 1024 * 1024
+_malloc_tuned: Optional[bool] = None
+
+
+def tune_malloc(env: Mapping[str, str]) -> bool:
+    """Keep freed memory of up to 32 MiB blocks in the heap (glibc; once per process).
+
+    glibc serves each allocation over 128 KiB (until it has freed a bigger one) with a fresh
+    mmap and hands it back on free, and it returns the heap's free top above 128 KiB to the
+    kernel: every such tensor, packing buffer or Open MPI temporary then costs page faults
+    and an unmap that stops the process's other threads. A 100 x 4 KiB grouped_allreduce
+    at 2 ranks took 506-560 us in a fresh process, with ~113 page faults a call; with the
+    mmap threshold at 32 MiB and the trim threshold at 64 MiB, 223-262 us (the mmap
+    threshold alone: no gain). Left alone when ``HVD_MAGIC_MALLOC_TUNE=0`` or when the user
+    tunes malloc (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``GLIBC_TUNABLES``,
+    ``LD_PRELOAD`` of another allocator). Returns True when it set them."""
+    global _malloc_tuned
+    if _malloc_tuned is not None:
+        return _malloc_tuned
+    _malloc_tuned = False
+    if env.get("HVD_MAGIC_MALLOC_TUNE", "1") == "0" or any(
+            env.get(k) for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
+                                 "GLIBC_TUNABLES", "LD_PRELOAD")):
+        return False
+    import platform
+    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+        ok = (libc.mallopt(_M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD) == 1
+              and libc.mallopt(_M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD) == 1)
+    except (OSError, AttributeError):
+        return False
+    _malloc_tuned = ok
+    return ok
 
 
 def _set_switch_interval() -> None:
