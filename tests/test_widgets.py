@@ -313,19 +313,21 @@ def test_background_renderer_drains_ticks_and_lets_go():
     import sys
     import time
 
-    from hvd_magic.widgets.sink import _Renderer
+    from types import SimpleNamespace
 
-    class Feed:
-        def __init__(self):
-            self.drains = 0
+    from hvd_magic.widgets.sink import CellFeed, _Renderer
+
+    class Feed(CellFeed):          # the real feed, over a client with no cells yet
+        drains = 0
 
         def drain(self):
             self.drains += 1
-            return 0
+            return super().drain()
 
     class Panel:
         def __init__(self):
-            self.feed, self.ticks = Feed(), 0
+            self.feed = Feed(SimpleNamespace(history=[], metadata={}), 0, self)
+            self.ticks = 0
 
         def tick(self):
             self.ticks += 1

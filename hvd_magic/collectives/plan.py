@@ -332,11 +332,6 @@ class Bucket:
         return [r.name for r in self.responses]
 
 
-def fusion_key(resp: Response) -> tuple:
-    a = resp.first
-    return (a.dtype, a.op, a.prescale, a.postscale, a.device, resp.joined)
-
-
 def plan_fusion(responses: list, threshold: int) -> list:
     """Group ready allreduces that share dtype, op, scale factors, device and joined ranks
     into buckets of at most ``threshold`` bytes (a larger tensor gets a bucket of its own;
@@ -344,15 +339,13 @@ def plan_fusion(responses: list, threshold: int) -> list:
     a bucket takes the place of its first member."""
     plan: list = []
     open_buckets: dict[tuple, tuple[Bucket, int]] = {}
-    itemsize = _ITEMSIZE.get
     for resp in responses:
         if resp.kind != "allreduce" or resp.error is not None or resp.data is not None:
             plan.append(resp)   # eager allreduces are reduced locally from the negotiation data
             continue
-        # fusion_key() and nbytes(), inline: this loop runs once per tensor of every cycle
-        a = next(iter(resp.anns.values()))
-        key = (a.dtype, a.op, a.prescale, a.postscale, a.device, resp.joined)
-        size = math.prod(a.shape or ()) * (itemsize(a.dtype) or buffer_itemsize(a.dtype or "uint8"))
+        a = next(iter(resp.anns.values()))      # resp.first, without the property call
+        key = (a.dtype, a.op, a.prescale, a.postscale, a.device, resp.joined)   # fusion key
+        size = nbytes(a)
         current = open_buckets.get(key)
         if threshold > 0 and current is not None and current[1] + size <= threshold:
             current[0].responses.append(resp)

@@ -210,7 +210,7 @@ class Pool:
         for name, proc in (("mpiexec", self.mpiexec), ("the controller", self.controller)):
             if proc is None or proc.poll() is not None:
                 return f"{name} {describe_exit(None if proc is None else proc.returncode)}"
-        missing = sorted(set(range(self.config.np)) - set(self._ids()))
+        missing = self._unheard()
         if missing:
             s = "s" if len(missing) > 1 else ""
             return (f"the controller stopped hearing from rank{s} "
@@ -219,11 +219,13 @@ class Pool:
                     f"its host hung, or was paused that long)")
         return "the ranks stopped answering"
 
-    def _ids(self) -> List[int]:
+    def _unheard(self) -> List[int]:
+        """Ranks the controller no longer lists (it dropped them after missed heartbeats)."""
         try:
-            return list(self.client.ids) if self.client is not None else []
+            ids = set(self.client.ids) if self.client is not None else set()
         except Exception:  # noqa: BLE001 - client closed
-            return []
+            ids = set()
+        return sorted(set(range(self.config.np)) - ids)
 
     def stop(self) -> None:
         """Stop everything this pool started (idempotent); no process is left behind."""
@@ -459,7 +461,7 @@ class Pool:
         exits = parse_rank_exits(log)
         what = self._why_ended()
         ended = bool(exits) or self.mpiexec is None or self.mpiexec.poll() is not None
-        unheard = [] if ended else sorted(set(range(self.config.np)) - set(self._ids()))
+        unheard = [] if ended else self._unheard()
         self.ended = what
         self.stop()
         dead = [RankFailure(e.rank, "died", "", e.how) for e in exits] or [

@@ -150,27 +150,28 @@ class CellFeed(threading.Thread):
             self.sink.ingest(new)
         return len(new)
 
+    def step(self) -> None:
+        """Drain, then let the sink redraw if due; an error is kept in ``LAST`` (never kills
+        the cell for the UI)."""
+        try:
+            self.drain()
+            self.sink.tick()
+        except Exception as exc:  # noqa: BLE001
+            LAST["feed_error"] = repr(exc)
+
     def poll(self) -> None:
-        """Drain and tick at most every ``period`` s: called by ``Pool.run_cell``'s wait loop
+        """:meth:`step` at most every ``period`` s: called by ``Pool.run_cell``'s wait loop
         on the kernel's main thread (woken by every message from the ranks, at least every
         50 ms), so a cell needs no feed thread of its own."""
         now = time.monotonic()
         if now < self._next:
             return
         self._next = now + self.period
-        try:
-            self.drain()
-            self.sink.tick()
-        except Exception as exc:  # noqa: BLE001 - never kill the cell for the UI
-            LAST["feed_error"] = repr(exc)
+        self.step()
 
     def run(self) -> None:
         while not self.stopping.wait(self.period):
-            try:
-                self.drain()
-                self.sink.tick()
-            except Exception as exc:  # noqa: BLE001 - never kill the cell for the UI
-                LAST["feed_error"] = repr(exc)
+            self.step()
 
     def stop(self) -> None:
         self.stopping.set()
@@ -377,15 +378,16 @@ def lower_autogroup_priority(nice: int, path: str = "/proc/self/autogroup") -> O
     (benchmarks/README.md). A user cannot lower it again (that needs CAP_SYS_NICE), so it
     stays for the kernel's life: the kernel then yields to its own busy ranks, and runs at
     full speed whenever they wait or the machine has a free core."""
-    try:
-        with open(path) as f:
-            cur = int(f.read().split("nice")[1].split()[0])
-        if cur >= nice:
-            return cur
-        with open(path, "w") as f:
-            f.write(str(nice))
+    def current() -> int:        # "/autogroup-123 nice 0"
         with open(path) as f:
             return int(f.read().split("nice")[1].split()[0])
+
+    try:
+        if current() >= nice:
+            return current()
+        with open(path, "w") as f:
+            f.write(str(nice))
+        return current()
     except (OSError, IndexError, ValueError):
         return None
 
@@ -443,14 +445,8 @@ class _Renderer:
             time.sleep(self.period)
             with self.mu:
                 for sink in list(self.sinks):
-                    feed = sink.feed
-                    if feed is None:
-                        continue
-                    try:
-                        feed.drain()
-                        sink.tick()
-                    except Exception as exc:  # noqa: BLE001 - never kill the cell for the UI
-                        LAST["feed_error"] = repr(exc)
+                    if sink.feed is not None:
+                        sink.feed.step()
 
 
 RENDERER = _Renderer()
