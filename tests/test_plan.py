@@ -263,3 +263,16 @@ def test_only_a_rank_that_waits_for_others_keeps_negotiating():
     assert neg.waiting(0) and not neg.waiting(1)
     out = neg.step([RankMsg(), RankMsg(anns=(a,))])
     assert [r.name for r in out] == ["g"] and not neg.waiting(0) and not neg.waiting(1)
+
+
+def test_chunk_spans_cover_the_buffer_in_bounded_pieces():
+    from hvd_magic.collectives.backends.common import chunk_spans
+    assert chunk_spans(10, 4, 16) == [(0, 4), (4, 8), (8, 10)]
+    assert chunk_spans(10, 4, 0) == [(0, 10)]           # 0: one call
+    assert chunk_spans(0, 4, 16) == [(0, 0)]            # empty tensors still make their call
+    assert chunk_spans(3, 8, 5) == [(0, 3)]             # a chunk smaller than one element: one call
+    for n, item, chunk in [(1 << 20, 4, 1 << 20), ((1 << 18) + 3, 8, 1 << 20), (999, 2, 98)]:
+        spans = chunk_spans(n, item, chunk)
+        assert spans[0][0] == 0 and spans[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+        assert all(0 < (hi - lo) * item <= chunk for lo, hi in spans)

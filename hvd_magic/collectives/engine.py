@@ -67,6 +67,7 @@ class Config:
 
     cycle_time_s: float = 0.0
     fusion_threshold: int = 64 * 1024 * 1024
+    allreduce_chunk: int = 1024 * 1024    # bytes per MPI call for big allreduces; 0: one call
     stall_check_s: float = 60.0          # 0 disables the warning
     stall_shutdown_s: float = 0.0        # 0: never fail stalled requests
     cpu_operations: str = "mpi"
@@ -84,6 +85,7 @@ class Config:
         return cls(
             cycle_time_s=_env_float("HOROVOD_CYCLE_TIME", 0.0) / 1000.0,
             fusion_threshold=int(_env_float("HOROVOD_FUSION_THRESHOLD", 64 * 1024 * 1024)),
+            allreduce_chunk=max(0, int(_env_float("HVD_MAGIC_ALLREDUCE_CHUNK_MB", 1.0) * 2**20)),
             stall_check_s=stall,
             stall_shutdown_s=_env_float("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0.0),
             cpu_operations=cpu_ops,
@@ -263,7 +265,7 @@ class Engine:
         self._torch_backend = None
         self.writer: Optional[TimelineWriter] = None
         from .backends.mpi import MPIBackend
-        self.mpi_backend = MPIBackend(comm, timeline)
+        self.mpi_backend = MPIBackend(comm, timeline, config.allreduce_chunk)
         self.thread = threading.Thread(target=self._main, name=f"hvd_magic-engine-{self.rank}",
                                        daemon=True)
         self.thread.start()

@@ -356,6 +356,40 @@ def _():
     with_env(HOROVOD_FUSION_THRESHOLD=None)
 
 
+@section("big allreduces cut into chunks")
+def _():
+    # Big allreduces run as several MPI calls; every rank must cut at the same places, so
+    # rank 0's HVD_MAGIC_ALLREDUCE_CHUNK_MB holds even when another rank's differs. A chunk
+    # of 104 bytes (26 float32, 13 float64) puts boundaries inside every tensor below.
+    hvd.shutdown()
+    with_env(HVD_MAGIC_ALLREDUCE_CHUNK_MB="0.0001" if r == 0 else "5")
+    hvd.init()
+    from hvd_magic.collectives import state
+    check(state.engine().mpi_backend.chunk == 104, f"chunk {state.engine().mpi_backend.chunk}")
+    x = np.arange(1000, dtype=np.float32) + r
+    ref = n * np.arange(1000, dtype=np.float32) + n * (n - 1) / 2
+    hvd.allreduce_(x, op=hvd.Sum, name="chunk sum_")
+    check(np.array_equal(x, ref), "in-place Sum")
+    y = np.arange(1001, dtype=np.float64) * (r + 1)
+    avg = hvd.allreduce(y, name="chunk avg", postscale_factor=2.0)
+    check(np.allclose(avg, 2.0 * np.arange(1001) * (n + 1) / 2), "out-of-place Average, postscale")
+    check(np.array_equal(y, np.arange(1001, dtype=np.float64) * (r + 1)), "input kept")
+    z = np.full(999, 3 * r + 1, dtype=np.int32)
+    hvd.allreduce_(z, name="chunk int avg")
+    check(np.array_equal(z, np.full(999, sum(3 * k + 1 for k in range(n)) // n)), "int Average in place")
+    m = hvd.allreduce(np.arange(777, dtype=np.float32) * (1 if r % 2 else -1), op=hvd.Max,
+                      prescale_factor=0.5, name="chunk max")
+    check(np.allclose(m, np.arange(777) * (0.5 if n > 1 else -0.5)), "Max with prescale")
+    parts = [np.full(k, float(r + k), dtype=np.float32) for k in (7, 130, 1, 61, 400)]
+    outs = hvd.grouped_allreduce(parts, name="chunk group")
+    check(all(np.allclose(o, (n - 1) / 2 + k) for o, k in zip(outs, (7, 130, 1, 61, 400))),
+          "fused Average")
+    big = hvd.allreduce(np.full(1 << 17, float(r), dtype=np.float32), name="chunk pool")
+    check(np.allclose(big, (n - 1) / 2), "pooled-size Average")
+    hvd.shutdown()
+    with_env(HVD_MAGIC_ALLREDUCE_CHUNK_MB=None)
+
+
 @section("HOROVOD_TIMELINE env")
 def _():
     path = os.path.join(TMP, "env_timeline.json")
