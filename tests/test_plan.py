@@ -234,6 +234,18 @@ def test_fusion_big_tensor_gets_own_bucket():
     assert [p.names for p in plan] == [["small"], ["big"], ["small2"]]
 
 
+def test_fusion_leaves_tensors_of_a_chunk_or_more_alone_on_cpu():
+    # 'big' (4000 B) reaches alone=4000: its own bucket, and small ones around it still fuse
+    rs = [ready(ar("s1", shape=(4,))), ready(ar("big", shape=(1000,))), ready(ar("s2", shape=(4,))),
+          ready(ar("gpu", shape=(1000,), device="cuda:0")), ready(ar("s3", shape=(4,)))]
+    plan = plan_fusion(rs, threshold=1 << 20, alone=4000)
+    assert [p.names for p in plan] == [["s1", "s2", "s3"], ["big"], ["gpu"]]
+    # a tensor just under the size fuses; alone=0 changes nothing
+    rs2 = [ready(ar("a", shape=(999,))), ready(ar("b", shape=(999,)))]
+    assert [p.names for p in plan_fusion(rs2, threshold=1 << 20, alone=4000)] == [["a", "b"]]
+    assert [p.names for p in plan_fusion(rs, threshold=1 << 20)] == [["s1", "big", "s2", "s3"], ["gpu"]]
+
+
 def test_fusion_separates_scale_and_joined_and_passes_others_through():
     a = ready(ar("a"))
     b = ready(ar("b", pre=2.0))

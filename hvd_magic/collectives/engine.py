@@ -621,7 +621,8 @@ class Engine:
                 return False
             return self._execute_one(resp, decided)
         stop = False
-        for item in plan_fusion(responses, self.cfg.fusion_threshold):
+        alone = self.mpi_backend.chunk if self.cfg.cpu_operations == "mpi" else 0
+        for item in plan_fusion(responses, self.cfg.fusion_threshold, alone):
             if isinstance(item, Bucket):
                 self._reduce(item.responses, decided)
             else:

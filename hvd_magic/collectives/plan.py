@@ -332,11 +332,16 @@ class Bucket:
         return [r.name for r in self.responses]
 
 
-def plan_fusion(responses: list, threshold: int) -> list:
+def plan_fusion(responses: list, threshold: int, alone: int = 0) -> list:
     """Group ready allreduces that share dtype, op, scale factors, device and joined ranks
     into buckets of at most ``threshold`` bytes (a larger tensor gets a bucket of its own;
     ``threshold`` 0 disables fusion). Other responses pass through unchanged, in order;
-    a bucket takes the place of its first member."""
+    a bucket takes the place of its first member.
+
+    A CPU tensor of at least ``alone`` bytes (when > 0) also gets a bucket of its own and
+    leaves the open bucket open: the MPI backend reduces a big tensor in cache-sized pieces
+    in its own memory, where fusing it would only add a pass to pack it and one to unpack.
+    """
     plan: list = []
     open_buckets: dict[tuple, tuple[Bucket, int]] = {}
     for resp in responses:
@@ -346,6 +351,9 @@ def plan_fusion(responses: list, threshold: int) -> list:
         a = next(iter(resp.anns.values()))      # resp.first, without the property call
         key = (a.dtype, a.op, a.prescale, a.postscale, a.device, resp.joined)   # fusion key
         size = nbytes(a)
+        if 0 < alone <= size and a.device == "cpu":
+            plan.append(Bucket([resp], key))
+            continue
         current = open_buckets.get(key)
         if threshold > 0 and current is not None and current[1] + size <= threshold:
             current[0].responses.append(resp)

@@ -386,6 +386,23 @@ def _():
           "fused Average")
     big = hvd.allreduce(np.full(1 << 17, float(r), dtype=np.float32), name="chunk pool")
     check(np.allclose(big, (n - 1) / 2), "pooled-size Average")
+    # Submitted together: tensors of a chunk or more are reduced alone, the small ones fused.
+    path = os.path.join(TMP, "chunks.json")
+    hvd.start_timeline(path)
+    sizes = [3, 50, 5, 26, 2, 400, 7]            # 26 float32 = 104 bytes: alone
+    ts = [np.full(k, float(r + i), dtype=np.float32) for i, k in enumerate(sizes)]
+    hs = [hvd.allreduce_async_(t, name=f"mix{i}") if i % 2 else hvd.allreduce_async(t, name=f"mix{i}")
+          for i, t in enumerate(ts)]
+    outs = [hvd.synchronize(h) for h in hs]
+    hvd.stop_timeline()
+    for i, (o, t) in enumerate(zip(outs, ts)):
+        check(np.allclose(o, (n - 1) / 2 + i), f"mixed submission {i}")
+        check(np.allclose(t, (n - 1) / 2 + i) if i % 2 else np.allclose(t, r + i), f"input {i} after")
+    if r == 0:
+        calls = [e["args"]["tensors"] for e in xevents(load_timeline(path), "MPI_ALLREDUCE")
+                 if e["pid"] == 0]
+        for i in (1, 3, 5):
+            check([f"mix{i}"] in calls, f"mix{i} not alone in one call: {calls}")
     hvd.shutdown()
     with_env(HVD_MAGIC_ALLREDUCE_CHUNK_MB=None)
 
