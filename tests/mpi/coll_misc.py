@@ -398,7 +398,7 @@ def _():
     for i, (o, t) in enumerate(zip(outs, ts)):
         check(np.allclose(o, (n - 1) / 2 + i), f"mixed submission {i}")
         check(np.allclose(t, (n - 1) / 2 + i) if i % 2 else np.allclose(t, r + i), f"input {i} after")
-    if r == 0:
+    if r == 0 and not EAGER:      # (eager ones are reduced from the negotiation instead)
         calls = [e["args"]["tensors"] for e in xevents(load_timeline(path), "MPI_ALLREDUCE")
                  if e["pid"] == 0]
         for i in (1, 3, 5):
