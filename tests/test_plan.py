@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hvd_magic.collectives.ops import ReduceOp
-from hvd_magic.collectives.plan import (Ann, Bucket, Negotiator, RankMsg, Response, check_agreement,
+from hvd_magic.collectives.plan import (Ann, AnnCodec, Bucket, Negotiator, RankMsg, Response, check_agreement,
                                         nbytes, plan_fusion)
 
 
@@ -288,3 +288,37 @@ def test_chunk_spans_cover_the_buffer_in_bounded_pieces():
         assert spans[0][0] == 0 and spans[-1][1] == n
         assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
         assert all(0 < (hi - lo) * item <= chunk for lo, hi in spans)
+
+
+# ---------------------------------------------------------------- compact announcements
+
+def test_codec_sends_repeated_announcements_as_indices_and_every_rank_decodes_them():
+    ranks = [AnnCodec(2) for _ in range(2)]          # each rank's codec
+    a, b = ar("a"), ar("b", shape=(3, 2))
+    wire0 = ranks[0].encode([a, b])                  # rank 0, first cycle: in full
+    assert wire0 == (tuple(a), tuple(b))
+    for codec in ranks:                              # every rank decodes every rank's message
+        assert codec.decode(0, wire0) == (a, b)
+    wire1 = ranks[0].encode([ar("b", shape=(3, 2)), ar("a"), ar("c")])   # equal, new objects
+    assert wire1 == (1, 0, tuple(ar("c")))
+    for codec in ranks:
+        assert codec.decode(0, wire1) == (b, a, ar("c"))
+    assert ranks[0].tables[0] == ranks[1].tables[0] == [a, b, ar("c")]
+    assert ranks[1].tables[1] == []                  # rank 1 announced nothing yet
+    # the same name with another shape is another announcement
+    assert ranks[0].encode([ar("a", shape=(5,))]) == (tuple(ar("a", shape=(5,))),)
+
+
+def test_codec_keeps_unnamed_calls_out_and_stops_at_its_cap():
+    enc, dec = AnnCodec(1, cap=2), AnnCodec(1, cap=2)
+    anon = ar("allreduce.noname.7")
+    for _ in range(2):
+        wire = enc.encode([anon])
+        assert wire == (tuple(anon),)                # never indexed
+        assert dec.decode(0, wire) == (anon,)
+    names = [ar(f"t{i}") for i in range(4)]
+    wire = enc.encode(names)
+    assert dec.decode(0, wire) == tuple(names)
+    assert enc.encode(names) == (0, 1, tuple(names[2]), tuple(names[3]))   # cap 2: t2, t3 in full
+    assert dec.decode(0, enc.encode(names)) == tuple(names)
+    assert dec.tables[0] == names[:2]

@@ -32,7 +32,7 @@ from collections import deque
 
 from . import ops
 from .errors import HvdError, JoinedRankError, ShutdownError, StallError, TensorMismatchError
-from .plan import Ann, Bucket, Negotiator, RankMsg, Response, StallInfo, plan_fusion
+from .plan import Ann, AnnCodec, Bucket, Negotiator, RankMsg, Response, StallInfo, plan_fusion
 from .timeline import CYCLE, NEGOTIATE, QUEUE, Timeline, TimelineWriter, now_us
 
 SLOT = 2048            # bytes per rank in the first negotiation round (more: a second round)
@@ -220,6 +220,7 @@ class Engine:
         self.cfg = config
         self.tl = timeline
         self.neg = Negotiator(self.size)
+        self.codec = AnnCodec(self.size)
         # The engine thread sleeps on ``_bell`` (a lock used as a doorbell: released = rung).
         # Plain locks are C-level and release the GIL while blocked, keeping hand-offs cheap.
         self._bell = _allocate_lock()
@@ -449,8 +450,8 @@ class Engine:
                     if src.nbytes <= self._eager_max and src.nbytes <= budget:
                         budget -= src.nbytes
                         payloads.append((i, src.tobytes()))
-        return RankMsg(tuple(tuple(r.ann) for r in new), tuple(cancels), join, shut, self.tl.take(),
-                       tuple(payloads))
+        return RankMsg(self.codec.encode([r.ann for r in new]), tuple(cancels), join, shut,
+                       self.tl.take(), tuple(payloads))
 
     def _heartbeat_s(self) -> Optional[float]:
         if self.cfg.stall_check_s <= 0 and self.cfg.stall_shutdown_s <= 0:
@@ -553,15 +554,19 @@ class Engine:
         mv = self._recv_mv
         lens = [int.from_bytes(mv[r * slot:r * slot + 8], "little") for r in range(self.size)]
         if max(lens) <= slot - 8:
-            out = [_decode(mv[r * slot + 8:r * slot + 8 + lens[r]]) for r in range(self.size)]
+            out = [self._decode(r, mv[r * slot + 8:r * slot + 8 + lens[r]]) for r in range(self.size)]
         else:
             displs = np.cumsum([0] + lens[:-1]).tolist()
             big = np.empty(sum(lens), dtype=np.uint8)
             self._wait(self.comm.Iallgatherv(np.frombuffer(data, dtype=np.uint8),
                                              [big, lens, displs, MPI.BYTE]))
-            out = [_decode(big[d:d + c]) for d, c in zip(displs, lens)]
+            out = [self._decode(r, big[d:d + c]) for r, (d, c) in enumerate(zip(displs, lens))]
         self._in_cycle_since = 0.0
         return out
+
+    def _decode(self, rank: int, buf: Any) -> RankMsg:
+        anns, cancels, join, shut, events, payloads = marshal.loads(buf)
+        return RankMsg(self.codec.decode(rank, anns), cancels, join, shut, events, payloads)
 
     def _wait(self, req: MPI.Request) -> None:
         """Wait for a non-blocking MPI request without burning a core."""
@@ -789,11 +794,6 @@ def _tight_timer_slack() -> None:
             ctypes.CDLL(None, use_errno=True).prctl(29, 1000, 0, 0, 0)  # PR_SET_TIMERSLACK, 1 us
         except Exception:  # noqa: BLE001 - an optimisation only
             pass
-
-
-def _decode(buf: np.ndarray) -> RankMsg:
-    anns, cancels, join, shut, events, payloads = marshal.loads(buf)
-    return RankMsg(tuple(map(Ann._make, anns)), cancels, join, shut, events, payloads)
 
 
 def _stall_message(info: StallInfo, now: float, limit: float) -> str:
