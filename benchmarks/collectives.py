@@ -10,7 +10,8 @@ What it measures (numpy float32 throughout):
 - allreduce at 4 KiB .. 64 MiB: raw ``comm.Allreduce(IN_PLACE, x, SUM)`` against
   ``hvd.allreduce_(x, op=hvd.Sum)`` (in place, apples to apples) and the default
   ``hvd.allreduce(x)`` (out of place, Average); raw out of place into a fresh buffer is
-  shown for reference only;
+  shown for reference only; above the allreduce chunk (1 MiB) also the in-place Sum as
+  one MPI call per buffer (``HVD_MAGIC_ALLREDUCE_CHUNK_MB=0``), to show what chunking gives;
 - 100 tensors of 4 KiB: 100 raw blocking Allreduce calls against 100
   ``hvd.allreduce_async_`` + ``hvd.synchronize`` and one ``hvd.grouped_allreduce``;
 - CPU of an idle runtime (10 s after init) and of a rank waiting in allreduce for a
@@ -142,12 +143,26 @@ class Bench:
                 hvd.allreduce(hvd_src)
 
             variants = {"raw": raw, "hvd_sum_": hvd_inplace, "hvd_avg": hvd_avg}
+            backend = hvd_state.engine().mpi_backend
+            if nbytes > backend.chunk > 0:
+                chunk = backend.chunk
+
+                def hvd_one_call():
+                    # in place Sum as one MPI call (what HVD_MAGIC_ALLREDUCE_CHUNK_MB=0 does);
+                    # every rank switches at the same point of the interleaving
+                    backend.chunk = 0
+                    try:
+                        hvd.allreduce_(hvd_ip, op=hvd.Sum)
+                    finally:
+                        backend.chunk = chunk
+
+                variants["hvd_sum_1call"] = hvd_one_call
             if nbytes <= MiB or self.args.oop_all:
                 # a fresh 16/64 MiB buffer per call disturbs the neighbouring measurements
                 variants["raw_oop"] = raw_oop
             rounds, calls = self.reps(REPS[nbytes])
             s = self.interleave(variants, rounds, calls)
-            med = {"raw_oop": float("nan")}
+            med = {"raw_oop": float("nan"), "hvd_sum_1call": float("nan")}
             med.update({k: statistics.median(v) for k, v in s.items()})
             rows.append({"bytes": nbytes, "n": len(s["raw"]), **{f"{k}_s": v for k, v in med.items()}})
             if self.rank == 0 and self.args.verbose:
@@ -259,6 +274,11 @@ def report(res: dict, args) -> list:
     p("  (Sum/raw, Avg/raw: time ratio, lower is better; Sum bw, Avg bw: fraction of raw MPI's "
       "bandwidth, higher is better;")
     p("   raw oop: raw MPI out of place into a fresh np.empty buffer, reference only; above 1 MiB only with --oop-all)")
+    one = [r for r in res["sizes"] if r["hvd_sum_1call_s"] == r["hvd_sum_1call_s"]]
+    if one:
+        p("in place Sum as one MPI call per buffer (HVD_MAGIC_ALLREDUCE_CHUNK_MB=0), same run: " + ", ".join(
+            f"{human(r['bytes'])} {fmt_t(r['hvd_sum_1call_s'])} ({r['raw_s'] / r['hvd_sum_1call_s']:.2f}x raw "
+            f"bandwidth; in 1 MiB calls {r['raw_s'] / r['hvd_sum__s']:.2f}x)" for r in one))
     p("")
     b = res["batch"]
     p(f"100 tensors of 4 KiB (n={b['n']} batches): 100 raw blocking Allreduce {fmt_t(b['raw_s'])}; "
