@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hvd_magic.collectives.ops import ReduceOp
-from hvd_magic.collectives.plan import (Ann, AnnCodec, Bucket, Negotiator, RankMsg, Response, check_agreement,
+from hvd_magic.collectives.plan import (Ann, AnnCodec, Bucket, CycleCache, Negotiator, RankMsg, Response, check_agreement,
                                         nbytes, plan_fusion)
 
 
@@ -322,3 +322,29 @@ def test_codec_keeps_unnamed_calls_out_and_stops_at_its_cap():
     assert enc.encode(names) == (0, 1, tuple(names[2]), tuple(names[3]))   # cap 2: t2, t3 in full
     assert dec.decode(0, enc.encode(names)) == tuple(names)
     assert dec.tables[0] == names[:2]
+
+
+# ---------------------------------------------------------------- recurring cycles
+
+def test_cycle_cache_keeps_only_clean_cycles_and_answers_only_when_nothing_is_pending():
+    cache = CycleCache(cap=2)
+    ok = [ready(ar("a"))]
+    assert CycleCache.eligible([msg(ar("a")), msg(ar("a"))], indexed=True)
+    assert not CycleCache.eligible([msg(ar("a")), msg(ar("a"))], indexed=False)   # a full entry
+    assert not CycleCache.eligible([idle(), idle()], indexed=True)                  # nothing said
+    for extra in (dict(join=True), dict(shutdown=True), dict(cancels=(("a", "x"),)),
+                  dict(events=(("e",),)), dict(payloads=((0, b"1"),))):
+        assert not CycleCache.eligible([msg(ar("a"), **extra), msg(ar("a"))], indexed=True)
+    cache.put(("k1",), ok, None)
+    assert cache.get(("k1",), busy=False) == (ok, None) and cache.hits == 1
+    assert cache.get(("k1",), busy=True) is None          # something pending: decide afresh
+    assert cache.get(None, busy=False) is None
+    bad = [Response("m", "allreduce", {0: ar("m")}, error="boom", error_kind="mismatch")]
+    cache.put(("k2",), bad, None)
+    assert cache.get(("k2",), busy=False) is None          # errors are not kept
+    cache.put(("k3",), ok, None)
+    cache.put(("k4",), ok, None)                           # cap 2: k1 goes
+    assert cache.get(("k1",), busy=False) is None and cache.get(("k4",), busy=False) is not None
+    off = CycleCache(cap=0)
+    off.put(("k",), ok, None)
+    assert off.get(("k",), busy=False) is None

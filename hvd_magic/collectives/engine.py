@@ -32,7 +32,7 @@ from collections import deque
 
 from . import ops
 from .errors import HvdError, JoinedRankError, ShutdownError, StallError, TensorMismatchError
-from .plan import Ann, AnnCodec, Bucket, Negotiator, RankMsg, Response, StallInfo, plan_fusion
+from .plan import Ann, AnnCodec, Bucket, CycleCache, Negotiator, RankMsg, Response, StallInfo, plan_fusion
 from .timeline import CYCLE, NEGOTIATE, QUEUE, Timeline, TimelineWriter, now_us
 
 SLOT = 2048            # bytes per rank in the first negotiation round (more: a second round)
@@ -221,6 +221,7 @@ class Engine:
         self.tl = timeline
         self.neg = Negotiator(self.size)
         self.codec = AnnCodec(self.size)
+        self.cycle_cache = CycleCache()
         # The engine thread sleeps on ``_bell`` (a lock used as a doorbell: released = rung).
         # Plain locks are C-level and release the GIL while blocked, keeping hand-offs cheap.
         self._bell = _allocate_lock()
@@ -267,6 +268,8 @@ class Engine:
         self.writer: Optional[TimelineWriter] = None
         from .backends.mpi import MPIBackend
         self.mpi_backend = MPIBackend(comm, timeline, config.allreduce_chunk)
+        # CPU tensors this big are reduced alone, never fused (plan_fusion)
+        self._alone = config.allreduce_chunk if config.cpu_operations == "mpi" else 0
         self.thread = threading.Thread(target=self._main, name=f"hvd_magic-engine-{self.rank}",
                                        daemon=True)
         self.thread.start()
@@ -474,8 +477,7 @@ class Engine:
                     if news and not self._has_news():
                         continue      # a waiting user thread negotiated it already
                     self._post_exchange(self._take_message())
-                msgs = self._finish_exchange()
-                if self._after_exchange(msgs):
+                if self._after_exchange(*self._finish_exchange()):
                     self._ended = True
                     return
 
@@ -499,7 +501,7 @@ class Engine:
                 while not req.Test():
                     if time.perf_counter() - t0 > INLINE_SPIN_S:
                         return           # the engine thread finishes it (Handle.wait rings)
-            if self._after_exchange(self._finish_exchange()):
+            if self._after_exchange(*self._finish_exchange()):
                 self._inline_exc = _Stop()
         except BaseException as exc:  # noqa: BLE001 - the engine thread reports it and stops
             self._inline_exc = exc
@@ -509,22 +511,33 @@ class Engine:
                 self._ring()
             _restore_sigint(deferred)
 
-    def _after_exchange(self, msgs: list) -> bool:
-        """Decide and carry out one cycle from every rank's message; True: shut down."""
+    def _after_exchange(self, msgs: Optional[list], key: Optional[tuple] = None,
+                        hit: Optional[tuple] = None) -> bool:
+        """Decide and carry out one cycle from every rank's message (or the decisions of
+        the same cycle seen before: ``hit``, with ``msgs`` None); True: shut down."""
         t_cycle = now_us() if self.tl.active else 0.0
         self.cycles += 1
         now = time.monotonic()
-        with self._table_lock:
-            responses = self.neg.step(msgs, now)
-        if self.writer is not None:
-            for m in msgs:
-                if m.events:
-                    self.writer.write(list(m.events))
+        if hit is not None:
+            responses, plan = hit
+        else:
+            with self._table_lock:
+                keep = key is not None and not self.neg.busy
+                responses = self.neg.step(msgs, now)
+                keep = keep and not self.neg.busy
+            plan = (plan_fusion(responses, self.cfg.fusion_threshold, self._alone)
+                    if len(responses) > 1 else None)
+            if keep:
+                self.cycle_cache.put(key, responses, plan)
+            if self.writer is not None:
+                for m in msgs:
+                    if m.events:
+                        self.writer.write(list(m.events))
         if self.tl.active and self.tl.mark_cycles:
             self.tl.add("cycle", CYCLE, t_cycle, None, {"cycle": self.cycles})
-        news = any(m.anns or m.cancels or m.join or m.shutdown for m in msgs)
+        news = hit is not None or any(m.anns or m.cancels or m.join or m.shutdown for m in msgs)
         self._empty_streak = 0 if (news or responses) else self._empty_streak + 1
-        stop = self._execute(responses, now)
+        stop = self._execute(responses, now, plan)
         if self.tl.active:
             self.tl.publish()
         now = time.monotonic()
@@ -545,28 +558,45 @@ class Engine:
         self._in_cycle_since = time.monotonic()
         self._px = (self.comm.Iallgather(self._send, self._recv), data)
 
-    def _finish_exchange(self) -> list:
-        """Complete the posted exchange; every rank's message, in rank order."""
+    def _finish_exchange(self) -> tuple:
+        """Complete the posted exchange: (every rank's message in rank order, the cycle's
+        cache key or None, the cached decisions of the same cycle or None). On a cache hit
+        nothing is decoded and the messages are None."""
         req, data = self._px
         self._wait(req)
         self._px = None
         slot = self._slot
         mv = self._recv_mv
         lens = [int.from_bytes(mv[r * slot:r * slot + 8], "little") for r in range(self.size)]
+        key = None
         if max(lens) <= slot - 8:
-            out = [self._decode(r, mv[r * slot + 8:r * slot + 8 + lens[r]]) for r in range(self.size)]
+            raw = tuple(bytes(mv[r * slot + 8:r * slot + 8 + lens[r]]) for r in range(self.size))
+            hit = self.cycle_cache.get(raw, self.neg.busy)
+            if hit is not None:
+                self._in_cycle_since = 0.0
+                return None, raw, hit
+            indexed = True
+            out = []
+            for r in range(self.size):
+                msg, by_index = self._decode(r, raw[r])
+                out.append(msg)
+                indexed = indexed and by_index
+            if CycleCache.eligible(out, indexed):
+                key = raw
         else:
             displs = np.cumsum([0] + lens[:-1]).tolist()
             big = np.empty(sum(lens), dtype=np.uint8)
             self._wait(self.comm.Iallgatherv(np.frombuffer(data, dtype=np.uint8),
                                              [big, lens, displs, MPI.BYTE]))
-            out = [self._decode(r, big[d:d + c]) for r, (d, c) in enumerate(zip(displs, lens))]
+            out = [self._decode(r, big[d:d + c])[0] for r, (d, c) in enumerate(zip(displs, lens))]
         self._in_cycle_since = 0.0
-        return out
+        return out, key, None
 
-    def _decode(self, rank: int, buf: Any) -> RankMsg:
+    def _decode(self, rank: int, buf: Any) -> tuple:
+        """(the RankMsg, whether every announcement in it came as a table index)."""
         anns, cancels, join, shut, events, payloads = marshal.loads(buf)
-        return RankMsg(self.codec.decode(rank, anns), cancels, join, shut, events, payloads)
+        by_index = all(type(a) is int for a in anns)
+        return RankMsg(self.codec.decode(rank, anns), cancels, join, shut, events, payloads), by_index
 
     def _wait(self, req: MPI.Request) -> None:
         """Wait for a non-blocking MPI request without burning a core."""
@@ -618,7 +648,7 @@ class Engine:
             self._torch_backend = TorchBackend(self.comm, self.tl)
         return self._torch_backend
 
-    def _execute(self, responses: list, decided: float) -> bool:
+    def _execute(self, responses: list, decided: float, plan: Optional[list] = None) -> bool:
         if len(responses) == 1:       # nothing to fuse
             resp = responses[0]
             if resp.kind == "allreduce" and resp.data is None and resp.error is None:
@@ -626,8 +656,9 @@ class Engine:
                 return False
             return self._execute_one(resp, decided)
         stop = False
-        alone = self.mpi_backend.chunk if self.cfg.cpu_operations == "mpi" else 0
-        for item in plan_fusion(responses, self.cfg.fusion_threshold, alone):
+        if plan is None:
+            plan = plan_fusion(responses, self.cfg.fusion_threshold, self._alone)
+        for item in plan:
             if isinstance(item, Bucket):
                 self._reduce(item.responses, decided)
             else:

@@ -181,6 +181,49 @@ class AnnCodec:
         return tuple(out)
 
 
+class CycleCache:
+    """Decisions of cycles that recur byte for byte (a training loop's steady state).
+
+    A cycle is kept when it started and ended with nothing pending, its messages carried
+    only announcements made by table index (:class:`AnnCodec`) and no joins, cancels,
+    shutdowns, timeline events or eager payloads, and none of its decisions is an error.
+    The same message bytes seen again while nothing is pending then decode to the same
+    requests, and the negotiation would reach the same decisions: the cached ones (and
+    their fusion plan) are used instead. Every rank sees the same bytes and the same
+    table, so every rank hits or misses alike. At most ``cap`` cycles, oldest dropped.
+    """
+
+    def __init__(self, cap: int = 256) -> None:
+        self.cap = cap
+        self.cycles: dict = {}       # key (every rank's message bytes) -> (responses, plan)
+        self.hits = 0
+
+    def get(self, key: Optional[tuple], busy: bool) -> Optional[tuple]:
+        if key is None or busy:
+            return None
+        hit = self.cycles.get(key)
+        if hit is not None:
+            self.hits += 1
+        return hit
+
+    @staticmethod
+    def eligible(msgs: list, indexed: bool) -> bool:
+        """Messages whose decisions may be kept (``indexed``: every announcement was an index)."""
+        if not indexed:
+            return False
+        for m in msgs:
+            if m.cancels or m.join or m.shutdown or m.events or m.payloads:
+                return False
+        return any(m.anns for m in msgs)
+
+    def put(self, key: tuple, responses: list, plan: Optional[list]) -> None:
+        if self.cap <= 0 or any(r.error is not None for r in responses):
+            return
+        if len(self.cycles) >= self.cap:
+            del self.cycles[next(iter(self.cycles))]
+        self.cycles[key] = (responses, plan)
+
+
 class Negotiator:
     """Replicated table of requests that some but not all ranks have submitted."""
 

@@ -121,6 +121,53 @@ def _():
         check(np.allclose(hvd.allreduce(np.full(2, float(r + i))), (n - 1) / 2 + i), f"unnamed {i}")
 
 
+@section("recurring cycles")
+def _():
+    # A loop repeats the same announcements: after the first step the decisions come from
+    # the cycle cache. Results must follow each step's values, and a cycle that recurs while
+    # something is pending, or that ended in an error, must be decided afresh.
+    from hvd_magic.collectives import state
+    cache = state.engine().cycle_cache
+    hits0 = cache.hits
+    for step in range(12):
+        hs = [hvd.allreduce_async(np.full(k, float(r + step + k)), name=f"loop.{k}", op=hvd.Sum)
+              for k in (1, 7, 300)]
+        g = hvd.allgather_async(np.full((r + 1, 2), step), name="loop.g")
+        for h, k in zip(hs, (1, 7, 300)):
+            check(np.allclose(hvd.synchronize(h), sum(q + step + k for q in range(n))), f"step {step} loop.{k}")
+        check(np.array_equal(hvd.synchronize(g), np.concatenate([np.full((q + 1, 2), step) for q in range(n)])),
+              f"step {step} allgather")
+        check(np.allclose(hvd.allreduce(np.full(3, float(step)), name="loop.one"), step), f"step {step} single")
+    if not EAGER:     # (eager inputs ride in the messages: those cycles never recur)
+        check(cache.hits > hits0, f"no cycle was served from the cache ({cache.hits})")
+    # the same loop, the last rank submitting one tensor late: rank 0's messages are those
+    # of the steps before, the last rank's are not
+    for step in range(3):
+        hs = []
+        for k in (1, 7, 300):
+            if k == 300 and r == n - 1:
+                time.sleep(0.05)
+            hs.append(hvd.allreduce_async(np.full(k, float(r + step + k)), name=f"loop.{k}", op=hvd.Sum))
+        g = hvd.allgather_async(np.full((r + 1, 2), step), name="loop.g")
+        for h, k in zip(hs, (1, 7, 300)):
+            check(np.allclose(hvd.synchronize(h), sum(q + step + k for q in range(n))), f"late-300 step {step} loop.{k}")
+        hvd.synchronize(g)
+    # the last rank submits later: the same messages recur while a request is pending
+    for step in range(3):
+        if r == n - 1:
+            time.sleep(0.05)
+        check(np.allclose(hvd.allreduce(np.full(3, float(r)), name="loop.late", op=hvd.Sum), n * (n - 1) / 2),
+              f"late step {step}")
+    # a mismatch (rank 0's shape differs) twice in a row: an error both times, never cached
+    for attempt in range(2):
+        try:
+            hvd.allreduce(np.ones(4 if r == 0 else 5), name="loop.bad")
+            fail(f"mismatch attempt {attempt} did not raise")
+        except hvd.TensorMismatchError as e:
+            check("loop.bad" in str(e), f"mismatch message {e}")
+    check(np.allclose(hvd.allreduce(np.full(3, 1.0), name="loop.one"), 1.0), "after the mismatch")
+
+
 @section("large negotiation messages")
 def _():
     # hundreds of requests with long names in one cycle: messages far above the 8 KiB slot
