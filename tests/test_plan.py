@@ -348,3 +348,10 @@ def test_cycle_cache_keeps_only_clean_cycles_and_answers_only_when_nothing_is_pe
     off = CycleCache(cap=0)
     off.put(("k",), ok, None)
     assert off.get(("k",), busy=False) is None
+
+
+def test_allreduce_ann_is_the_namedtuple_it_stands_for():
+    from hvd_magic.collectives.plan import allreduce_ann
+    fast = allreduce_ann("g", "float32", (3, 4), int(ReduceOp.SUM), 0.5, 2.0, "cpu")
+    slow = Ann("g", "allreduce", "float32", (3, 4), int(ReduceOp.SUM), -1, 0.5, 2.0, "cpu")
+    assert fast == slow and type(fast) is Ann and fast._asdict() == slow._asdict()

@@ -19,7 +19,7 @@ import numpy as np
 from . import ops
 from .engine import Handle
 from .ops import Average
-from .plan import Ann
+from .plan import Ann, allreduce_ann
 from .state import _require, engine
 
 _counters: dict[str, itertools.count] = {}
@@ -52,6 +52,8 @@ def _check_tensor(tensor: Any, what: str) -> tuple:
 
 
 def _factor(x: Any, label: str) -> float:
+    if type(x) is float:
+        return x
     try:
         return float(x)
     except (TypeError, ValueError):
@@ -76,8 +78,9 @@ def _allreduce_async(tensor, out, name, op, prescale, postscale, urgent=False) -
     dtype, shape, device = _check_tensor(tensor, "allreduce")
     op = ops.to_op(op)
     ops.check_op_dtype(op, dtype)
-    ann = Ann(_name("allreduce", name), "allreduce", dtype, shape, int(op), -1,
-              _factor(prescale, "prescale_factor"), _factor(postscale, "postscale_factor"), device)
+    ann = allreduce_ann(_name("allreduce", name), dtype, shape, int(op),
+                        _factor(prescale, "prescale_factor"), _factor(postscale, "postscale_factor"),
+                        device)
     return engine().submit(ann, tensor, out, urgent=urgent)
 
 

@@ -33,6 +33,18 @@ class Ann(NamedTuple):
     obj: bool = False               # broadcast_object: only the root's shape counts
 
 
+_tuple_new = tuple.__new__
+
+
+def allreduce_ann(name: str, dtype: str, shape: tuple, op: int, prescale: float,
+                  postscale: float, device: str) -> Ann:
+    """``Ann(name, "allreduce", dtype, shape, op, -1, prescale, postscale, device)``, built
+    without the namedtuple constructor's keyword handling (every allreduce makes one:
+    ~0.2 us instead of ~0.4 us)."""
+    return _tuple_new(Ann, (name, "allreduce", dtype, shape, op, -1, prescale, postscale,
+                            device, None, False))
+
+
 class RankMsg(NamedTuple):
     """One rank's contribution to one negotiation cycle."""
 
