@@ -51,9 +51,10 @@ def test_stall_warning_and_stall_shutdown(np_):
 def test_engine_thread_only_path_at_3_ranks(tmp_path):
     """With HVD_MAGIC_INLINE=0 a waiting caller never runs the negotiation cycle itself: the
     background thread does all of it (the path async requests take); with HVD_MAGIC_EAGER=1
-    small allreduces ride in the negotiation. Orders, fusion, join and every mismatch error
+    small allreduces ride in the negotiation; with HOROVOD_CACHE_CAPACITY=0 every announcement
+    travels in full and no cycle is reused. Orders, fusion, join and every mismatch error
     still hold."""
-    env = {"HVD_MAGIC_INLINE": "0", "HVD_MAGIC_EAGER": "1"}
+    env = {"HVD_MAGIC_INLINE": "0", "HVD_MAGIC_EAGER": "1", "HOROVOD_CACHE_CAPACITY": "0"}
     proc = mpirun("coll_misc.py", 3, str(tmp_path), env=env, timeout=180)
     assert proc.stdout.count("coll_misc OK") == 3, proc.stdout
     proc = mpirun("coll_errors.py", 3, env=env, timeout=120)

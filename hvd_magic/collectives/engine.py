@@ -68,6 +68,7 @@ class Config:
     cycle_time_s: float = 0.0
     fusion_threshold: int = 64 * 1024 * 1024
     allreduce_chunk: int = 1024 * 1024    # bytes per MPI call for big allreduces; 0: one call
+    cache_capacity: int = 1024            # announcements remembered per rank; 0: no caching
     stall_check_s: float = 60.0          # 0 disables the warning
     stall_shutdown_s: float = 0.0        # 0: never fail stalled requests
     cpu_operations: str = "mpi"
@@ -86,6 +87,7 @@ class Config:
             cycle_time_s=_env_float("HOROVOD_CYCLE_TIME", 0.0) / 1000.0,
             fusion_threshold=int(_env_float("HOROVOD_FUSION_THRESHOLD", 64 * 1024 * 1024)),
             allreduce_chunk=max(0, int(_env_float("HVD_MAGIC_ALLREDUCE_CHUNK_MB", 1.0) * 2**20)),
+            cache_capacity=max(0, int(_env_float("HOROVOD_CACHE_CAPACITY", 1024))),
             stall_check_s=stall,
             stall_shutdown_s=_env_float("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0.0),
             cpu_operations=cpu_ops,
@@ -220,8 +222,8 @@ class Engine:
         self.cfg = config
         self.tl = timeline
         self.neg = Negotiator(self.size)
-        self.codec = AnnCodec(self.size)
-        self.cycle_cache = CycleCache()
+        self.codec = AnnCodec(self.size, cap=config.cache_capacity)
+        self.cycle_cache = CycleCache(cap=min(256, config.cache_capacity))
         # The engine thread sleeps on ``_bell`` (a lock used as a doorbell: released = rung).
         # Plain locks are C-level and release the GIL while blocked, keeping hand-offs cheap.
         self._bell = _allocate_lock()

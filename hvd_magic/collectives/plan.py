@@ -161,7 +161,7 @@ class AnnCodec:
         cycle 2: rank 0 sends (0,)                         every rank decodes a
     """
 
-    def __init__(self, size: int, cap: int = 2048) -> None:
+    def __init__(self, size: int, cap: int = 1024) -> None:
         self.cap = cap
         self.mine: dict = {}                             # this rank's Ann -> index
         self.tables: list = [[] for _ in range(size)]   # rank -> its announced Anns
