@@ -528,7 +528,7 @@ class Engine:
                 responses = self.neg.step(msgs, now)
                 keep = keep and not self.neg.busy
             plan = (plan_fusion(responses, self.cfg.fusion_threshold, self._alone)
-                    if len(responses) > 1 else None)
+                    if len(responses) != 1 else None)
             if keep:
                 self.cycle_cache.put(key, responses, plan)
             if self.writer is not None:
@@ -650,7 +650,8 @@ class Engine:
             self._torch_backend = TorchBackend(self.comm, self.tl)
         return self._torch_backend
 
-    def _execute(self, responses: list, decided: float, plan: Optional[list] = None) -> bool:
+    def _execute(self, responses: list, decided: float, plan: Optional[list]) -> bool:
+        """Carry out one cycle's decisions; ``plan`` is their fusion plan (None for one)."""
         if len(responses) == 1:       # nothing to fuse
             resp = responses[0]
             if resp.kind == "allreduce" and resp.data is None and resp.error is None:
@@ -658,8 +659,6 @@ class Engine:
                 return False
             return self._execute_one(resp, decided)
         stop = False
-        if plan is None:
-            plan = plan_fusion(responses, self.cfg.fusion_threshold, self._alone)
         for item in plan:
             if isinstance(item, Bucket):
                 self._reduce(item.responses, decided)

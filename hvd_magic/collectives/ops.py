@@ -98,15 +98,15 @@ def dtype_name(x: Any) -> str:
     return name
 
 
+_ADASUM = ReduceOp.ADASUM     # (a module constant: the enum attribute lookup costs ~0.1 us)
+
+
 def check_op_dtype(op: ReduceOp, dtype: str) -> None:
     if op == _ADASUM:
         raise ValueError("op=Adasum is not supported by hvd_magic yet; use hvd.Average or hvd.Sum")
     if dtype == "bool" and op in (ReduceOp.SUM, ReduceOp.AVERAGE):
         raise TypeError("Sum/Average of a bool tensor is not defined; use hvd.Max (logical or), "
                         "hvd.Min or hvd.Product (logical and), or cast to an integer type")
-
-
-_ADASUM = ReduceOp.ADASUM     # (a module constant: the enum attribute lookup costs ~0.1 us)
 
 
 def device_of(x: Any) -> str:

@@ -80,10 +80,13 @@ def init(comm: Optional[Any] = None) -> None:
         mine = base.Dup()
         local = mine.Split_type(MPI.COMM_TYPE_SHARED, key=mine.Get_rank())
         cross = mine.Split(color=local.Get_rank(), key=mine.Get_rank())
-        # Every rank must cut a big allreduce at the same places and keep the same tables of
-        # announcements, so rank 0's settings hold; chunking is for ranks that share memory
+        # Settings that every rank must share, or the ranks would pair different MPI calls
+        # (fusion buckets, backends, chunk boundaries) or read each other's announcement
+        # tables differently: rank 0's values hold. Chunking is for ranks that share memory
         # (measured there; see backends/mpi.py).
-        chunk, cfg.cache_capacity = mine.bcast((cfg.allreduce_chunk, cfg.cache_capacity), root=0)
+        (cfg.fusion_threshold, cfg.cpu_operations, chunk, cfg.cache_capacity) = mine.bcast(
+            (cfg.fusion_threshold, cfg.cpu_operations, cfg.allreduce_chunk, cfg.cache_capacity),
+            root=0)
         cfg.allreduce_chunk = chunk if local.Get_size() == mine.Get_size() else 0
         tl = Timeline(mine.Get_rank())
         _state.comm = base

@@ -411,10 +411,16 @@ def _():
     # rank 0's HVD_MAGIC_ALLREDUCE_CHUNK_MB holds even when another rank's differs. A chunk
     # of 104 bytes (26 float32, 13 float64) puts boundaries inside every tensor below.
     hvd.shutdown()
-    with_env(HVD_MAGIC_ALLREDUCE_CHUNK_MB="0.0001" if r == 0 else "5")
+    # (the other settings every rank must share get rank 0's values the same way)
+    with_env(HVD_MAGIC_ALLREDUCE_CHUNK_MB="0.0001" if r == 0 else "5",
+             HOROVOD_FUSION_THRESHOLD="1048576" if r == 0 else "0",
+             HOROVOD_CACHE_CAPACITY="7" if r == 0 else "0")
     hvd.init()
     from hvd_magic.collectives import state
-    check(state.engine().mpi_backend.chunk == 104, f"chunk {state.engine().mpi_backend.chunk}")
+    eng = state.engine()
+    check(eng.mpi_backend.chunk == 104, f"chunk {eng.mpi_backend.chunk}")
+    check(eng.cfg.fusion_threshold == 1048576, f"fusion threshold {eng.cfg.fusion_threshold}")
+    check(eng.codec.cap == 7, f"announcement table size {eng.codec.cap}")
     x = np.arange(1000, dtype=np.float32) + r
     ref = n * np.arange(1000, dtype=np.float32) + n * (n - 1) / 2
     hvd.allreduce_(x, op=hvd.Sum, name="chunk sum_")
@@ -453,7 +459,7 @@ def _():
         for i in (1, 3, 5):
             check([f"mix{i}"] in calls, f"mix{i} not alone in one call: {calls}")
     hvd.shutdown()
-    with_env(HVD_MAGIC_ALLREDUCE_CHUNK_MB=None)
+    with_env(HVD_MAGIC_ALLREDUCE_CHUNK_MB=None, HOROVOD_FUSION_THRESHOLD=None, HOROVOD_CACHE_CAPACITY=None)
 
 
 @section("HOROVOD_TIMELINE env")

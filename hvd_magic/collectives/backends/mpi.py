@@ -150,7 +150,7 @@ class MPIBackend:
             target = req.inplace_target()
             t0 = now_us() if tl else 0.0
             if target is not None and src is target and ann0.prescale == 1.0:
-                self._reduce(target, mop, op, ann0.postscale, n_contrib)
+                self._chunked_allreduce(target, mop, op, ann0.postscale, n_contrib)
                 res = target
             else:
                 # Out of place, the reduction runs in this backend's persistent buffer and
@@ -173,10 +173,10 @@ class MPIBackend:
                 pre = ann0.prescale
                 if red.kind == "f" and op == ReduceOp.AVERAGE:
                     # 1/n while copying in; the sum of scaled inputs needs no pass after
-                    self._reduce(work, mop, ReduceOp.SUM, ann0.postscale, n_contrib,
-                                 src, pre / n_contrib)
+                    self._chunked_allreduce(work, mop, ReduceOp.SUM, ann0.postscale,
+                                            n_contrib, src, pre / n_contrib)
                 else:
-                    self._reduce(work, mop, op, ann0.postscale, n_contrib, src, pre)
+                    self._chunked_allreduce(work, mop, op, ann0.postscale, n_contrib, src, pre)
                 if not persistent:
                     res = work
                 elif poolable:
@@ -218,7 +218,7 @@ class MPIBackend:
                     dst[...] = src
             off += n
         t1 = now_us() if tl else 0.0
-        self._reduce(buf, mop, op, ann0.postscale, n_contrib)
+        self._chunked_allreduce(buf, mop, op, ann0.postscale, n_contrib)
         t2 = now_us() if tl else 0.0
         off = 0
         fresh = None
@@ -250,7 +250,7 @@ class MPIBackend:
                 self.tl.add(ann.name, f"{self.prefix}_ALLREDUCE", t1, t2 - t1, args)
                 self.tl.add(ann.name, MEMCPY_OUT, t2, t3 - t2)
 
-    def _reduce(self, work: np.ndarray, mop: MPI.Op, op: ReduceOp, postscale: float,
+    def _chunked_allreduce(self, work: np.ndarray, mop: MPI.Op, op: ReduceOp, postscale: float,
                 n_contrib: int, src: Optional[np.ndarray] = None, pre: float = 1.0) -> None:
         """``work`` (contiguous) := allreduce of ``src * pre`` (or of ``work`` itself when
         ``src`` is None), averaged and post-scaled, in MPI calls of at most ``self.chunk``
