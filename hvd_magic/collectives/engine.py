@@ -224,6 +224,7 @@ class Engine:
         self.neg = Negotiator(self.size)
         self.codec = AnnCodec(self.size, cap=config.cache_capacity)
         self.cycle_cache = CycleCache(cap=min(256, config.cache_capacity))
+        self._cache_on = self.cycle_cache.cap > 0
         # The engine thread sleeps on ``_bell`` (a lock used as a doorbell: released = rung).
         # Plain locks are C-level and release the GIL while blocked, keeping hand-offs cheap.
         self._bell = _allocate_lock()
@@ -558,20 +559,29 @@ class Engine:
         if n <= slot - 8:
             self._send_mv[8:8 + n] = data
         self._in_cycle_since = time.monotonic()
-        self._px = (self.comm.Iallgather(self._send, self._recv), data)
+        # Only a cycle in which this rank said nothing but indexed announcements can be
+        # served from (or kept in) the cycle cache: skip the key otherwise (unnamed calls).
+        anns = msg.anns
+        cacheable = (bool(anns) and type(anns[0]) is int and self._cache_on
+                     and not (msg.cancels or msg.join or msg.shutdown or msg.events or msg.payloads)
+                     and (len(anns) == 1 or all(type(a) is int for a in anns)))
+        self._px = (self.comm.Iallgather(self._send, self._recv), data, cacheable)
 
     def _finish_exchange(self) -> tuple:
         """Complete the posted exchange: (every rank's message in rank order, the cycle's
         cache key or None, the cached decisions of the same cycle or None). On a cache hit
         nothing is decoded and the messages are None."""
-        req, data = self._px
+        req, data, cacheable = self._px
         self._wait(req)
         self._px = None
         slot = self._slot
         mv = self._recv_mv
         lens = [int.from_bytes(mv[r * slot:r * slot + 8], "little") for r in range(self.size)]
         key = None
-        if max(lens) <= slot - 8:
+        if max(lens) <= slot - 8 and not cacheable:
+            out = [self._decode(r, mv[r * slot + 8:r * slot + 8 + lens[r]])[0]
+                   for r in range(self.size)]
+        elif max(lens) <= slot - 8:
             raw = tuple(bytes(mv[r * slot + 8:r * slot + 8 + lens[r]]) for r in range(self.size))
             hit = self.cycle_cache.get(raw, self.neg.busy)
             if hit is not None:
@@ -597,7 +607,7 @@ class Engine:
     def _decode(self, rank: int, buf: Any) -> tuple:
         """(the RankMsg, whether every announcement in it came as a table index)."""
         anns, cancels, join, shut, events, payloads = marshal.loads(buf)
-        by_index = all(type(a) is int for a in anns)
+        by_index = bool(anns) and type(anns[0]) is int and all(type(a) is int for a in anns)
         return RankMsg(self.codec.decode(rank, anns), cancels, join, shut, events, payloads), by_index
 
     def _wait(self, req: MPI.Request) -> None:
