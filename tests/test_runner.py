@@ -52,6 +52,8 @@ def test_user_mca_settings_win():
     ("fusion_threshold_mb", 0.5, "HOROVOD_FUSION_THRESHOLD", "524288"),
     ("cycle_time_ms", 2.5, "HOROVOD_CYCLE_TIME", "2.5"),
     ("stall_check_seconds", 30, "HOROVOD_STALL_CHECK_TIME_SECONDS", "30"),
+    ("cache_capacity", 0, "HOROVOD_CACHE_CAPACITY", "0"),
+    ("cache_capacity", 256, "HOROVOD_CACHE_CAPACITY", "256"),
 ])
 @pytest.mark.parametrize("impl", ["openmpi", "mpich"])
 def test_each_flag_sets_and_forwards_its_variable(impl, flag, value, var, expected):
@@ -229,6 +231,8 @@ def test_help_mentions_outside_network():
     (["-np", "two", "python"], "whole number"),
     (["-np", "2", "-H", "a:x", "python"], "positive integer"),
     (["-np", "2", "--fusion-threshold-mb", "-3", "python"], ">= 0"),
+    (["-np", "2", "--cache-capacity", "-1", "python"], ">= 0"),
+    (["-np", "2", "--cache-capacity", "0.5", "python"], "not a number"),
     (["-np", "2", "--hostfile", "/nonexistent/hf", "python"], "cannot read"),
     (["-np", "2", "-H", "a:1", "--hostfile", "hf", "python"], "not allowed with"),
 ])
@@ -398,6 +402,8 @@ def test_run_timeout_kills_the_job():
 def test_run_rejects_bad_options():
     with pytest.raises(TypeError, match="unknown option"):
         hvd_magic.run(print, np=2, nonsense=1)
+    with pytest.raises(ValueError, match="cache-capacity"):
+        hvd_magic.run(print, np=2, cache_capacity=-5)
     with pytest.raises(TypeError, match="callable"):
         hvd_magic.run(3)
 

@@ -12,7 +12,8 @@ from .launch import launch
 from .plan import Host, LaunchArgs, parse_hosts
 
 _LAUNCH_OPTIONS = ("hostfile", "timeline_filename", "fusion_threshold_mb", "cycle_time_ms",
-                   "stall_check_seconds", "output_filename", "network_interface", "verbose")
+                   "stall_check_seconds", "cache_capacity", "output_filename", "network_interface",
+                   "verbose")
 
 
 class RankError(RuntimeError):
@@ -55,8 +56,8 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[Dict[
     (seconds, default no limit) stops the job and raises TimeoutError. ``env`` adds variables
     for the ranks. ``stream`` prints the ranks' output here as it comes. Other keywords are
     hvdrun's options: ``hostfile``, ``timeline_filename``, ``fusion_threshold_mb``,
-    ``cycle_time_ms``, ``stall_check_seconds``, ``output_filename``, ``network_interface``,
-    ``verbose``. An exception on a rank is raised here as :class:`RankError`. Multi-host runs
+    ``cycle_time_ms``, ``stall_check_seconds``, ``cache_capacity``, ``output_filename``,
+    ``network_interface``, ``verbose``. An exception on a rank is raised here as :class:`RankError`. Multi-host runs
     pass ``fn`` and the results through a temporary directory that every host must see:
     set ``TMPDIR`` to a shared directory (e.g. on NFS).
     """

@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stall-check-seconds", type=_nonneg(float, "s"), metavar="S",
                    help="warn about stalled collectives after S s "
                         "(HOROVOD_STALL_CHECK_TIME_SECONDS)")
+    p.add_argument("--cache-capacity", type=_nonneg(int, "N"), metavar="N",
+                   help="requests each rank remembers so that repeated ones negotiate cheaply "
+                        "(HOROVOD_CACHE_CAPACITY, default 1024; 0: off)")
     p.add_argument("--output-filename", metavar="DIR",
                    help="write each rank's output to files under DIR")
     p.add_argument("--network-interface", metavar="IF",
@@ -122,6 +125,7 @@ def to_launch_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> L
                           fusion_threshold_mb=ns.fusion_threshold_mb,
                           cycle_time_ms=ns.cycle_time_ms,
                           stall_check_seconds=ns.stall_check_seconds,
+                          cache_capacity=ns.cache_capacity,
                           output_filename=ns.output_filename,
                           network_interface=ns.network_interface, verbose=ns.verbose)
         validate(args)

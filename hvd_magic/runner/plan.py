@@ -59,6 +59,7 @@ class LaunchArgs:
     fusion_threshold_mb: Optional[float] = None
     cycle_time_ms: Optional[float] = None
     stall_check_seconds: Optional[float] = None
+    cache_capacity: Optional[int] = None
     output_filename: Optional[str] = None
     network_interface: Optional[str] = None
     verbose: bool = False
@@ -140,6 +141,8 @@ def horovod_env(args: LaunchArgs) -> Dict[str, str]:
         env["HOROVOD_CYCLE_TIME"] = f"{args.cycle_time_ms:g}"
     if args.stall_check_seconds is not None:
         env["HOROVOD_STALL_CHECK_TIME_SECONDS"] = f"{args.stall_check_seconds:g}"
+    if args.cache_capacity is not None:
+        env["HOROVOD_CACHE_CAPACITY"] = str(args.cache_capacity)
     names = interface_names(args.network_interface or "")
     if names:
         env["NCCL_SOCKET_IFNAME"] = ",".join(names)
@@ -174,6 +177,10 @@ def validate(args: LaunchArgs) -> None:
         value = getattr(args, name)
         if value is not None and (not isinstance(value, (int, float)) or value < 0):
             raise ValueError(f"--{name.replace('_', '-')} {value!r}: must be a number >= 0")
+    cap = args.cache_capacity
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
+        raise ValueError(f"--cache-capacity {cap!r}: must be a whole number >= 0 (0 turns the "
+                         "cache off)")
     if args.hosts and not is_single_host(args):
         total = sum(h.slots for h in args.hosts)
         if args.np > total and not args.oversubscribe:
