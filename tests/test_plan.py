@@ -309,19 +309,35 @@ def test_codec_sends_repeated_announcements_as_indices_and_every_rank_decodes_th
     assert ranks[0].encode([ar("a", shape=(5,))]) == (tuple(ar("a", shape=(5,))),)
 
 
-def test_codec_keeps_unnamed_calls_out_and_stops_at_its_cap():
-    enc, dec = AnnCodec(1, cap=2), AnnCodec(1, cap=2)
+def exchange(codecs, anns_per_rank):
+    """One cycle: every rank encodes its announcements, every rank decodes every message;
+    each decoding must give back exactly what was announced. Returns the wire items."""
+    wires = [c.encode(anns) for c, anns in zip(codecs, anns_per_rank)]
+    for c in codecs:
+        for r, w in enumerate(wires):
+            assert c.decode(r, w) == tuple(anns_per_rank[r])
+    return wires
+
+
+def test_codec_keeps_unnamed_calls_out_and_starts_a_full_table_again():
+    ranks = [AnnCodec(2, rank=r, cap=3) for r in range(2)]
     anon = ar("allreduce.noname.7")
     for _ in range(2):
-        wire = enc.encode([anon])
-        assert wire == (tuple(anon),)                # never indexed
-        assert dec.decode(0, wire) == (anon,)
-    names = [ar(f"t{i}") for i in range(4)]
-    wire = enc.encode(names)
-    assert dec.decode(0, wire) == tuple(names)
-    assert enc.encode(names) == (0, 1, tuple(names[2]), tuple(names[3]))   # cap 2: t2, t3 in full
-    assert dec.decode(0, enc.encode(names)) == tuple(names)
-    assert dec.tables[0] == names[:2]
+        assert exchange(ranks, [[anon], []])[0] == (tuple(anon),)      # never indexed
+    a, b = ar("a"), ar("b")
+    assert exchange(ranks, [[a, b], []])[0] == (tuple(a), tuple(b))
+    assert exchange(ranks, [[b, a], []])[0] == (1, 0)
+    assert all(c.tables[0] == [a, b] and c.resets == 0 for c in ranks)
+    # per-step names fill rank 0's table (cap 3): after that message it starts again,
+    # on every rank, and rank 0's encoder with it
+    s1, s2, s3 = ar("step.1"), ar("step.2"), ar("step.3")
+    assert exchange(ranks, [[s1, a], [b]])[0] == (tuple(s1), 0)
+    assert all(c.tables[0] == [] and c.resets == 1 for c in ranks)
+    assert ranks[0].mine == {} and ranks[1].tables[1] == [b]
+    assert exchange(ranks, [[a, s2, s3, b], [b]])[0] == (tuple(a), tuple(s2), tuple(s3), tuple(b))
+    assert all(c.resets == 2 and c.tables[0] == [] for c in ranks)   # 4 in one message: full again
+    assert exchange(ranks, [[a], [b]]) == [(tuple(a),), (0,)]
+    assert exchange(ranks, [[a], [b]]) == [(0,), (0,)]
 
 
 # ---------------------------------------------------------------- recurring cycles

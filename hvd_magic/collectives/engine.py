@@ -222,7 +222,8 @@ class Engine:
         self.cfg = config
         self.tl = timeline
         self.neg = Negotiator(self.size)
-        self.codec = AnnCodec(self.size, cap=config.cache_capacity)
+        self.codec = AnnCodec(self.size, self.rank, cap=config.cache_capacity)
+        self._codec_resets = 0
         self.cycle_cache = CycleCache(cap=min(256, config.cache_capacity))
         self._cache_on = self.cycle_cache.cap > 0
         # The engine thread sleeps on ``_bell`` (a lock used as a doorbell: released = rung).
@@ -601,6 +602,11 @@ class Engine:
             self._wait(self.comm.Iallgatherv(np.frombuffer(data, dtype=np.uint8),
                                              [big, lens, displs, MPI.BYTE]))
             out = [self._decode(r, big[d:d + c])[0] for r, (d, c) in enumerate(zip(displs, lens))]
+        if self.codec.resets != self._codec_resets:
+            # a table started again: the same index bytes may now mean other requests
+            self._codec_resets = self.codec.resets
+            self.cycle_cache.clear()
+            key = None
         self._in_cycle_since = 0.0
         return out, key, None
 

@@ -153,7 +153,10 @@ class AnnCodec:
     copy of that rank's table; later ones travel as the index. The tables stay identical
     everywhere because every rank decodes the same messages in the same order and applies
     the same rule for what enters a table (a full entry enters while the table has room,
-    except the one-off ``*.noname.*`` names of unnamed calls).
+    except the one-off ``*.noname.*`` names of unnamed calls). A table that is full after
+    a message starts again empty, on every rank at the same message (``resets`` counts
+    it): names that change every step (``f"loss.{step}"``) cannot crowd out the loop's
+    steady names for the rest of a long-lived pool's life.
 
     Example, 2 ranks, rank 0 announcing ``a`` in two cycles::
 
@@ -161,10 +164,12 @@ class AnnCodec:
         cycle 2: rank 0 sends (0,)                         every rank decodes a
     """
 
-    def __init__(self, size: int, cap: int = 1024) -> None:
+    def __init__(self, size: int, rank: int = 0, cap: int = 1024) -> None:
         self.cap = cap
+        self.rank = rank
         self.mine: dict = {}                             # this rank's Ann -> index
         self.tables: list = [[] for _ in range(size)]   # rank -> its announced Anns
+        self.resets = 0
 
     def encode(self, anns: Iterable[Ann]) -> tuple:
         """Plain data for the wire: an index for each Ann sent before, the fields otherwise."""
@@ -190,6 +195,12 @@ class AnnCodec:
             if len(table) < self.cap and ".noname." not in a.name:
                 table.append(a)
             out.append(a)
+        if len(table) >= self.cap > 0:
+            # full: start again (this rank's encoder too, when the table is its own)
+            table.clear()
+            if rank == self.rank:
+                self.mine.clear()
+            self.resets += 1
         return tuple(out)
 
 
@@ -227,6 +238,10 @@ class CycleCache:
             if m.cancels or m.join or m.shutdown or m.events or m.payloads:
                 return False
         return any(m.anns for m in msgs)
+
+    def clear(self) -> None:
+        """Forget every cycle (the announcement tables started again: indices changed)."""
+        self.cycles.clear()
 
     def put(self, key: tuple, responses: list, plan: Optional[list]) -> None:
         if self.cap <= 0 or any(r.error is not None for r in responses):

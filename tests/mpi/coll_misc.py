@@ -170,6 +170,33 @@ def _():
     check(np.allclose(hvd.allreduce(np.full(3, 1.0), name="loop.one"), 1.0), "after the mismatch")
 
 
+@section("announcement tables that fill up")
+def _():
+    # A name that changes every step fills the tables (capacity 12 here); a full table starts
+    # again on every rank at the same message, the cycle cache is emptied with it, and the
+    # steady names are indexed and served from the cache again.
+    from hvd_magic.collectives import state
+    before = os.environ.get("HOROVOD_CACHE_CAPACITY")
+    hvd.shutdown()
+    with_env(HOROVOD_CACHE_CAPACITY="12")
+    hvd.init()
+    eng = state.engine()
+    for step in range(20):
+        for j in range(step % 3 + 1):     # so the steady names land on other indices each time
+            check(np.allclose(hvd.allreduce(np.full(3, float(r + step)), name=f"ep.{step}.{j}",
+                                            op=hvd.Sum), sum(q + step for q in range(n))),
+                  f"per-step name {step}.{j}")
+        for k in ("steady.a", "steady.b"):
+            check(np.allclose(hvd.allreduce(np.full(2, float(r * step)), name=k, op=hvd.Sum),
+                              step * n * (n - 1) / 2), f"{k} step {step}")
+    check(eng.codec.resets >= 2, f"tables started again {eng.codec.resets} times")
+    if not EAGER:
+        check(eng.cycle_cache.hits > 0, "no cycle served from the cache between resets")
+    hvd.shutdown()
+    with_env(HOROVOD_CACHE_CAPACITY=before)
+    hvd.init()
+
+
 @section("large negotiation messages")
 def _():
     # hundreds of requests with long names in one cycle: messages far above the 8 KiB slot
