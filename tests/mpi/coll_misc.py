@@ -468,6 +468,24 @@ def _():
           "fused Average")
     big = hvd.allreduce(np.full(1 << 17, float(r), dtype=np.float32), name="chunk pool")
     check(np.allclose(big, (n - 1) / 2), "pooled-size Average")
+    half = hvd.allreduce(np.full(777, r + 0.5, np.float16), name="chunk half", op=hvd.Sum)
+    check(half.dtype == np.float16 and np.allclose(half, sum(k + 0.5 for k in range(n))), "float16 Sum")
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None:
+        t = torch.full((1000,), float(r))
+        hvd.allreduce_(t, op=hvd.Sum, name="chunk torch_")
+        check(bool((t == n * (n - 1) / 2).all()), "torch tensor in place")
+        o = hvd.allreduce(torch.full((999,), float(r)), name="chunk torch")
+        check(torch.is_tensor(o) and bool(torch.allclose(o, torch.full((999,), (n - 1) / 2))),
+              "torch tensor out of place")
+    # a joined rank contributes nothing to chunked allreduces (it reduces identity values)
+    if r != n - 1:
+        got = hvd.allreduce(np.full(1000, float(r)), name="chunk join")
+        check(np.allclose(got, np.mean(range(n - 1))), f"Average with rank {n - 1} joined: {got[:2]}")
+    hvd.join()
     # Submitted together: tensors of a chunk or more are reduced alone, the small ones fused.
     path = os.path.join(TMP, "chunks.json")
     hvd.start_timeline(path)
