@@ -9,7 +9,7 @@ from .api import (allgather, allgather_async, allgather_object, allreduce, allre
                   grouped_allreduce_async_, GroupHandle, join, pending,
                   poll, reducescatter, reducescatter_async, start_timeline, stop_timeline,
                   subscribe, synchronize)
-from .engine import Handle
+from .handles import Handle
 from .errors import (HorovodInternalError, HvdError, JoinedRankError, ShutdownError, StallError,
                      TensorMismatchError)
 from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum

@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from . import ops
-from .engine import Handle
+from .handles import Handle
 from .ops import Average
 from .plan import Ann, allreduce_ann
 from .state import _require, engine

@@ -30,9 +30,9 @@ from _thread import allocate_lock as _allocate_lock
 from _thread import get_ident as _get_ident
 from collections import deque
 
-from . import ops
 from .errors import HvdError, JoinedRankError, ShutdownError, StallError, TensorMismatchError
 from .plan import Ann, AnnCodec, Bucket, CycleCache, Negotiator, RankMsg, Response, StallInfo, plan_fusion
+from .handles import Handle, LocalReq
 from .timeline import CYCLE, NEGOTIATE, QUEUE, Timeline, TimelineWriter, now_us
 
 SLOT = 2048            # bytes per rank in the first negotiation round (more: a second round)
@@ -94,122 +94,6 @@ class Config:
             timeline=os.environ.get("HOROVOD_TIMELINE", ""),
             timeline_mark_cycles=os.environ.get("HOROVOD_TIMELINE_MARK_CYCLES", "") not in ("", "0"),
         )
-
-
-class Handle:
-    """What an ``*_async`` call returns; pass it to ``poll`` or ``synchronize``."""
-
-    __slots__ = ("name", "kind", "_lock", "_done", "_result", "_error", "_post", "_engine", "extra")
-
-    def __init__(self, name: str, kind: str, engine: "Engine",
-                 post: Optional[Callable[[Any, Any], Any]] = None):
-        self.name = name
-        self.kind = kind
-        self._lock = _allocate_lock()   # held until the result is in: waiting = acquiring it
-        self._lock.acquire()
-        self._done = False
-        self._result: Any = None
-        self._error: Optional[BaseException] = None
-        self._post = post
-        self._engine = engine
-        self.extra: Any = None     # rows per rank (allgather) or received splits (alltoall)
-
-    def done(self) -> bool:
-        return self._done
-
-    def wait(self, timeout: Optional[float] = None) -> Any:
-        """Block until done (interruptible), then return the result or raise the error."""
-        if not self._done:
-            engine = self._engine
-            if engine.inline and engine._cycle_lock.acquire(False):
-                engine._run_inline()   # releases the cycle lock
-                if self._done:
-                    return self._outcome()
-            engine.urgent(ring=True)
-            deadline = None if timeout is None else time.monotonic() + timeout
-            lock = self._lock
-            engine.waiters += 1
-            try:
-                while not lock.acquire(True, 0.5 if deadline is None else
-                                       max(0.0, min(0.5, deadline - time.monotonic()))):
-                    if deadline is not None and time.monotonic() >= deadline:
-                        raise TimeoutError(f"{self.kind} of tensor '{self.name}' did not finish "
-                                           f"within {timeout} s")
-                    engine.raise_if_dead(self.name)
-            finally:
-                engine.waiters -= 1
-            lock.release()   # leave it open for any other waiter
-        return self._outcome()
-
-    def _outcome(self) -> Any:
-        if self._error is not None:
-            raise self._error
-        return self._post(self._result, self.extra) if self._post is not None else self._result
-
-    def _set(self, result: Any = None, error: Optional[BaseException] = None) -> None:
-        if self._done:
-            return
-        self._result, self._error = result, error
-        self._done = True
-        self._lock.release()
-
-    def __repr__(self) -> str:
-        state = "done" if self.done() else "pending"
-        return f"<hvd_magic handle {self.kind} '{self.name}' {state}>"
-
-
-class LocalReq:
-    """One request on this rank: the agreed metadata plus this rank's tensor."""
-
-    __slots__ = ("ann", "tensor", "out", "handle", "t_submit", "_src")
-
-    def __init__(self, ann: Ann, tensor: Any, handle: Handle, out: Any = None):
-        self.ann = ann
-        self.tensor = tensor
-        self.out = out                 # in-place target (the user's tensor), or None
-        self.handle = handle
-        self.t_submit = time.monotonic()
-        self._src: Optional[np.ndarray] = None
-
-    def src(self) -> np.ndarray:
-        """Contiguous numpy view (or copy) of the input."""
-        if self._src is None:
-            self._src = ops.as_numpy(self.tensor)
-        return self._src
-
-    def inplace_target(self) -> Optional[np.ndarray]:
-        """The input's own memory when the result may be written straight into it."""
-        if self.out is None:
-            return None
-        src = self.src()
-        if ops.is_torch(self.out):
-            ok = self.out.is_contiguous() and self.out.device.type == "cpu"
-        else:
-            ok = src is self.out or (isinstance(self.out, np.ndarray) and self.out.flags.c_contiguous
-                                     and np.shares_memory(src, self.out))
-        return src if ok else None
-
-    def set_array(self, arr: Any, dtype: str, rows: Any = None) -> None:
-        """Store the result (numpy carrying ``dtype``, or a torch tensor) in the user's type."""
-        self.handle.extra = rows
-        if self.out is not None:
-            if ops.is_torch(self.out):
-                torch = sys.modules["torch"]
-                if isinstance(arr, np.ndarray) and self._src is not None and arr is self._src:
-                    pass                                   # reduced in place already
-                elif isinstance(arr, np.ndarray) and self.inplace_target() is not None:
-                    # numpy copy into the tensor's own memory: a few us less than torch's copy_
-                    np.copyto(self._src, arr.reshape(self._src.shape), casting="unsafe")
-                else:
-                    t = arr if isinstance(arr, torch.Tensor) else ops.wrap_like(arr, dtype, self.out)
-                    self.out.copy_(t.reshape(self.out.shape))
-            elif arr is not self.out:
-                np.copyto(self.out, np.asarray(arr).reshape(self.out.shape), casting="unsafe")
-            self.handle._result = self.out
-        elif isinstance(arr, np.ndarray):
-            self.handle._result = ops.wrap_like(arr, dtype, self.tensor)
-        else:
-            self.handle._result = arr
 
 
 class Engine:
