@@ -345,12 +345,14 @@ def test_codec_keeps_unnamed_calls_out_and_starts_a_full_table_again():
 def test_cycle_cache_keeps_only_clean_cycles_and_answers_only_when_nothing_is_pending():
     cache = CycleCache(cap=2)
     ok = [ready(ar("a"))]
-    assert CycleCache.eligible([msg(ar("a")), msg(ar("a"))], indexed=True)
-    assert not CycleCache.eligible([msg(ar("a")), msg(ar("a"))], indexed=False)   # a full entry
-    assert not CycleCache.eligible([idle(), idle()], indexed=True)                  # nothing said
+    # messages as they travel: announcements as table indices (ints) or in full (tuples)
+    assert CycleCache.cacheable(RankMsg(anns=(0,))) and CycleCache.cacheable(RankMsg(anns=(3, 1)))
+    assert not CycleCache.cacheable(RankMsg(anns=(0, tuple(ar("a")))))   # a full entry
+    assert not CycleCache.cacheable(RankMsg(anns=(tuple(ar("a")),)))
+    assert not CycleCache.cacheable(idle())                                  # nothing said
     for extra in (dict(join=True), dict(shutdown=True), dict(cancels=(("a", "x"),)),
                   dict(events=(("e",),)), dict(payloads=((0, b"1"),))):
-        assert not CycleCache.eligible([msg(ar("a"), **extra), msg(ar("a"))], indexed=True)
+        assert not CycleCache.cacheable(RankMsg(anns=(0,), **extra))
     cache.put(("k1",), ok, None)
     assert cache.get(("k1",), busy=False) == (ok, None) and cache.hits == 1
     assert cache.get(("k1",), busy=True) is None          # something pending: decide afresh

@@ -109,7 +109,6 @@ class Engine:
         self.codec = AnnCodec(self.size, self.rank, cap=config.cache_capacity)
         self._codec_resets = 0
         self.cycle_cache = CycleCache(cap=min(256, config.cache_capacity))
-        self._cache_on = self.cycle_cache.cap > 0
         # The engine thread sleeps on ``_bell`` (a lock used as a doorbell: released = rung).
         # Plain locks are C-level and release the GIL while blocked, keeping hand-offs cheap.
         self._bell = _allocate_lock()
@@ -444,13 +443,8 @@ class Engine:
         if n <= slot - 8:
             self._send_mv[8:8 + n] = data
         self._in_cycle_since = time.monotonic()
-        # Only a cycle in which this rank said nothing but indexed announcements can be
-        # served from (or kept in) the cycle cache: skip the key otherwise (unnamed calls).
-        anns = msg.anns
-        cacheable = (bool(anns) and type(anns[0]) is int and self._cache_on
-                     and not (msg.cancels or msg.join or msg.shutdown or msg.events or msg.payloads)
-                     and (len(anns) == 1 or all(type(a) is int for a in anns)))
-        self._px = (self.comm.Iallgather(self._send, self._recv), data, cacheable)
+        # (the key and lookup of the cycle cache are skipped unless this message can be kept)
+        self._px = (self.comm.Iallgather(self._send, self._recv), data, CycleCache.cacheable(msg))
 
     def _finish_exchange(self) -> tuple:
         """Complete the posted exchange: (every rank's message in rank order, the cycle's
@@ -463,29 +457,29 @@ class Engine:
         mv = self._recv_mv
         lens = [int.from_bytes(mv[r * slot:r * slot + 8], "little") for r in range(self.size)]
         key = None
-        if max(lens) <= slot - 8 and not cacheable:
-            out = [self._decode(r, mv[r * slot + 8:r * slot + 8 + lens[r]])[0]
-                   for r in range(self.size)]
-        elif max(lens) <= slot - 8:
-            raw = tuple(bytes(mv[r * slot + 8:r * slot + 8 + lens[r]]) for r in range(self.size))
-            hit = self.cycle_cache.get(raw, self.neg.busy)
-            if hit is not None:
-                self._in_cycle_since = 0.0
-                return None, raw, hit
-            indexed = True
-            out = []
-            for r in range(self.size):
-                msg, by_index = self._decode(r, raw[r])
-                out.append(msg)
-                indexed = indexed and by_index
-            if CycleCache.eligible(out, indexed):
-                key = raw
-        else:
+        if max(lens) > slot - 8:      # a second round for what did not fit (never cached)
             displs = np.cumsum([0] + lens[:-1]).tolist()
             big = np.empty(sum(lens), dtype=np.uint8)
             self._wait(self.comm.Iallgatherv(np.frombuffer(data, dtype=np.uint8),
                                              [big, lens, displs, MPI.BYTE]))
-            out = [self._decode(r, big[d:d + c])[0] for r, (d, c) in enumerate(zip(displs, lens))]
+            wire = [big[d:d + c] for d, c in zip(displs, lens)]
+        elif cacheable:
+            wire = key = tuple(bytes(mv[r * slot + 8:r * slot + 8 + lens[r]])
+                               for r in range(self.size))
+            hit = self.cycle_cache.get(key, self.neg.busy)
+            if hit is not None:
+                self._in_cycle_since = 0.0
+                return None, key, hit
+        else:
+            wire = [mv[r * slot + 8:r * slot + 8 + lens[r]] for r in range(self.size)]
+        out = []
+        decode = self.codec.decode
+        for r, buf in enumerate(wire):
+            anns, cancels, join, shut, events, payloads = marshal.loads(buf)
+            if key is not None and not CycleCache.cacheable(
+                    RankMsg(anns, cancels, join, shut, events, payloads)):
+                key = None            # another rank's message cannot be kept
+            out.append(RankMsg(decode(r, anns), cancels, join, shut, events, payloads))
         if self.codec.resets != self._codec_resets:
             # a table started again: the same index bytes may now mean other requests
             self._codec_resets = self.codec.resets
@@ -493,12 +487,6 @@ class Engine:
             key = None
         self._in_cycle_since = 0.0
         return out, key, None
-
-    def _decode(self, rank: int, buf: Any) -> tuple:
-        """(the RankMsg, whether every announcement in it came as a table index)."""
-        anns, cancels, join, shut, events, payloads = marshal.loads(buf)
-        by_index = bool(anns) and type(anns[0]) is int and all(type(a) is int for a in anns)
-        return RankMsg(self.codec.decode(rank, anns), cancels, join, shut, events, payloads), by_index
 
     def _wait(self, req: MPI.Request) -> None:
         """Wait for a non-blocking MPI request without burning a core."""

@@ -171,6 +171,10 @@ class AnnCodec:
         self.tables: list = [[] for _ in range(size)]   # rank -> its announced Anns
         self.resets = 0
 
+    def _enters(self, held: int, ann: Ann) -> bool:
+        """The one rule for what enters a table (encoder and decoders must agree)."""
+        return held < self.cap and ".noname." not in ann.name
+
     def encode(self, anns: Iterable[Ann]) -> tuple:
         """Plain data for the wire: an index for each Ann sent before, the fields otherwise."""
         mine, out = self.mine, []
@@ -179,7 +183,7 @@ class AnnCodec:
             if i is not None:
                 out.append(i)
                 continue
-            if len(mine) < self.cap and ".noname." not in a.name:
+            if self._enters(len(mine), a):
                 mine[a] = len(mine)
             out.append(tuple(a))
         return tuple(out)
@@ -192,7 +196,7 @@ class AnnCodec:
                 out.append(table[x])
                 continue
             a = Ann._make(x)
-            if len(table) < self.cap and ".noname." not in a.name:
+            if self._enters(len(table), a):
                 table.append(a)
             out.append(a)
         if len(table) >= self.cap > 0:
@@ -207,9 +211,10 @@ class AnnCodec:
 class CycleCache:
     """Decisions of cycles that recur byte for byte (a training loop's steady state).
 
-    A cycle is kept when it started and ended with nothing pending, its messages carried
-    only announcements made by table index (:class:`AnnCodec`) and no joins, cancels,
-    shutdowns, timeline events or eager payloads, and none of its decisions is an error.
+    A cycle is kept when it started and ended with nothing pending, every rank's message is
+    :meth:`cacheable` (only announcements made by table index, see :class:`AnnCodec`, and
+    no joins, cancels, shutdowns, timeline events or eager payloads), and none of its
+    decisions is an error.
     The same message bytes seen again while nothing is pending then decode to the same
     requests, and the negotiation would reach the same decisions: the cached ones (and
     their fusion plan) are used instead. Every rank sees the same bytes and the same
@@ -230,14 +235,15 @@ class CycleCache:
         return hit
 
     @staticmethod
-    def eligible(msgs: list, indexed: bool) -> bool:
-        """Messages whose decisions may be kept (``indexed``: every announcement was an index)."""
-        if not indexed:
-            return False
-        for m in msgs:
-            if m.cancels or m.join or m.shutdown or m.events or m.payloads:
-                return False
-        return any(m.anns for m in msgs)
+    def cacheable(wire: RankMsg) -> bool:
+        """A message as it travels (announcements still encoded) that a kept cycle may hold.
+        A rank checks its own before sending: when it is not, no rank can hit or keep the
+        cycle, so nobody needs the key. With ``HOROVOD_CACHE_CAPACITY=0`` nothing is ever
+        indexed, so no message is."""
+        anns = wire.anns
+        return (bool(anns) and type(anns[0]) is int
+                and not (wire.cancels or wire.join or wire.shutdown or wire.events or wire.payloads)
+                and (len(anns) == 1 or all(type(a) is int for a in anns)))
 
     def clear(self) -> None:
         """Forget every cycle (the announcement tables started again: indices changed)."""

@@ -124,8 +124,9 @@ def _():
 @section("recurring cycles")
 def _():
     # A loop repeats the same announcements: after the first step the decisions come from
-    # the cycle cache. Results must follow each step's values, and a cycle that recurs while
-    # something is pending, or that ended in an error, must be decided afresh.
+    # the cycle cache. Results must follow each step's values, also when one rank's messages
+    # match earlier ones and another's do not (a cache keyed on part of the bytes hangs),
+    # with a late rank, and an error must come back every time.
     from hvd_magic.collectives import state
     cache = state.engine().cycle_cache
     hits0 = cache.hits
@@ -154,13 +155,13 @@ def _():
         for h, k in zip(hs, (1, 7, 300)):
             check(np.allclose(hvd.synchronize(h), sum(q + step + k for q in range(n))), f"late-300 step {step} loop.{k}")
         hvd.synchronize(g)
-    # the last rank submits later: the same messages recur while a request is pending
+    # the last rank submits later (values checked; the cycles differ from the kept ones)
     for step in range(3):
         if r == n - 1:
             time.sleep(0.05)
         check(np.allclose(hvd.allreduce(np.full(3, float(r)), name="loop.late", op=hvd.Sum), n * (n - 1) / 2),
               f"late step {step}")
-    # a mismatch (rank 0's shape differs) twice in a row: an error both times, never cached
+    # a mismatch (rank 0's shape differs) twice in a row: an error both times
     for attempt in range(2):
         try:
             hvd.allreduce(np.ones(4 if r == 0 else 5), name="loop.bad")
