@@ -10,8 +10,10 @@ What it measures (numpy float32 throughout):
 - allreduce at 4 KiB .. 64 MiB: raw ``comm.Allreduce(IN_PLACE, x, SUM)`` against
   ``hvd.allreduce_(x, op=hvd.Sum)`` (in place, apples to apples) and the default
   ``hvd.allreduce(x)`` (out of place, Average); raw out of place into a fresh buffer is
-  shown for reference only; above the allreduce chunk (1 MiB) also the in-place Sum as
-  one MPI call per buffer (``HVD_MAGIC_ALLREDUCE_CHUNK_MB=0``), to show what chunking gives;
+  shown for reference only; where the data goes through shared memory (>= 128 KiB), also
+  the in-place Sum through MPI calls (``HVD_MAGIC_SHM=0``), and above the allreduce chunk
+  (1 MiB) as one MPI call per buffer (``HVD_MAGIC_ALLREDUCE_CHUNK_MB=0`` too), to show
+  what each gives;
 - 100 tensors of 4 KiB: 100 raw blocking Allreduce calls against 100
   ``hvd.allreduce_async_`` + ``hvd.synchronize`` and one ``hvd.grouped_allreduce``;
 - CPU of an idle runtime (10 s after init) and of a rank waiting in allreduce for a
@@ -151,25 +153,33 @@ class Bench:
 
                 variants["hvd_sum_named"] = hvd_named
             backend = hvd_state.engine().mpi_backend
-            if nbytes > backend.chunk > 0:
-                chunk = backend.chunk
+            chunk, shm_min = backend.chunk, backend.shm_min
 
-                def hvd_one_call():
-                    # in place Sum as one MPI call (what HVD_MAGIC_ALLREDUCE_CHUNK_MB=0 does);
+            def hvd_mpi_path(one_call: bool):
+                def run():
+                    # in place Sum with the data through MPI calls, as with HVD_MAGIC_SHM=0
+                    # (and one MPI call per buffer, as with HVD_MAGIC_ALLREDUCE_CHUNK_MB=0);
                     # every rank switches at the same point of the interleaving
-                    backend.chunk = 0
+                    backend.shm_min = 1 << 62
+                    if one_call:
+                        backend.chunk = 0
                     try:
                         hvd.allreduce_(hvd_ip, op=hvd.Sum)
                     finally:
-                        backend.chunk = chunk
+                        backend.chunk, backend.shm_min = chunk, shm_min
+                return run
 
-                variants["hvd_sum_1call"] = hvd_one_call
+            if backend._via_shm(nbytes):
+                variants["hvd_sum_mpi"] = hvd_mpi_path(False)
+            if nbytes > chunk > 0:
+                variants["hvd_sum_1call"] = hvd_mpi_path(True)
             if nbytes <= MiB or self.args.oop_all:
                 # a fresh 16/64 MiB buffer per call disturbs the neighbouring measurements
                 variants["raw_oop"] = raw_oop
             rounds, calls = self.reps(REPS[nbytes])
             s = self.interleave(variants, rounds, calls)
-            med = {"raw_oop": float("nan"), "hvd_sum_1call": float("nan"), "hvd_sum_named": float("nan")}
+            med = {"raw_oop": float("nan"), "hvd_sum_1call": float("nan"), "hvd_sum_named": float("nan"),
+                   "hvd_sum_mpi": float("nan")}
             med.update({k: statistics.median(v) for k, v in s.items()})
             rows.append({"bytes": nbytes, "n": len(s["raw"]), **{f"{k}_s": v for k, v in med.items()}})
             if self.rank == 0 and self.args.verbose:
@@ -281,11 +291,14 @@ def report(res: dict, args) -> list:
     p("  (Sum/raw, Avg/raw: time ratio, lower is better; Sum bw, Avg bw: fraction of raw MPI's "
       "bandwidth, higher is better;")
     p("   raw oop: raw MPI out of place into a fresh np.empty buffer, reference only; above 1 MiB only with --oop-all)")
-    one = [r for r in res["sizes"] if r["hvd_sum_1call_s"] == r["hvd_sum_1call_s"]]
-    if one:
-        p("in place Sum as one MPI call per buffer (HVD_MAGIC_ALLREDUCE_CHUNK_MB=0), same run: " + ", ".join(
-            f"{human(r['bytes'])} {fmt_t(r['hvd_sum_1call_s'])} ({r['raw_s'] / r['hvd_sum_1call_s']:.2f}x raw "
-            f"bandwidth; in 1 MiB calls {r['raw_s'] / r['hvd_sum__s']:.2f}x)" for r in one))
+    for key, label in (("hvd_sum_mpi", "in place Sum with the data through MPI calls (HVD_MAGIC_SHM=0)"),
+                       ("hvd_sum_1call", "in place Sum as one MPI call per buffer (HVD_MAGIC_SHM=0, "
+                                         "HVD_MAGIC_ALLREDUCE_CHUNK_MB=0)")):
+        rows = [r for r in res["sizes"] if r[f"{key}_s"] == r[f"{key}_s"]]
+        if rows:
+            p(f"{label}, same run: " + ", ".join(
+                f"{human(r['bytes'])} {fmt_t(r[f'{key}_s'])} ({r['raw_s'] / r[f'{key}_s']:.2f}x raw "
+                f"bandwidth; as shipped {r['raw_s'] / r['hvd_sum__s']:.2f}x)" for r in rows))
     p("")
     b = res["batch"]
     p(f"100 tensors of 4 KiB (n={b['n']} batches): 100 raw blocking Allreduce {fmt_t(b['raw_s'])}; "

@@ -69,6 +69,7 @@ class Config:
     fusion_threshold: int = 64 * 1024 * 1024
     allreduce_chunk: int = 1024 * 1024    # bytes per MPI call for big allreduces; 0: one call
     cache_capacity: int = 1024            # announcements remembered per rank; 0: no caching
+    shm_min: int = 128 * 1024             # allreduces this big go through shared memory; -1: never
     stall_check_s: float = 60.0          # 0 disables the warning
     stall_shutdown_s: float = 0.0        # 0: never fail stalled requests
     cpu_operations: str = "mpi"
@@ -88,6 +89,8 @@ class Config:
             fusion_threshold=int(_env_float("HOROVOD_FUSION_THRESHOLD", 64 * 1024 * 1024)),
             allreduce_chunk=max(0, int(_env_float("HVD_MAGIC_ALLREDUCE_CHUNK_MB", 1.0) * 2**20)),
             cache_capacity=max(0, int(_env_float("HOROVOD_CACHE_CAPACITY", 1024))),
+            shm_min=(-1 if os.environ.get("HVD_MAGIC_SHM", "1").strip() == "0"
+                     else max(0, int(_env_float("HVD_MAGIC_SHM_MIN_KB", 128.0) * 1024))),
             stall_check_s=stall,
             stall_shutdown_s=_env_float("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0.0),
             cpu_operations=cpu_ops,
@@ -154,7 +157,8 @@ class Engine:
         self._torch_backend = None
         self.writer: Optional[TimelineWriter] = None
         from .backends.mpi import MPIBackend
-        self.mpi_backend = MPIBackend(comm, timeline, config.allreduce_chunk)
+        self.mpi_backend = MPIBackend(comm, timeline, config.allreduce_chunk,
+                                      config.shm_min if config.cpu_operations == "mpi" else -1)
         # CPU tensors this big are reduced alone, never fused (plan_fusion)
         self._alone = config.allreduce_chunk if config.cpu_operations == "mpi" else 0
         self.thread = threading.Thread(target=self._main, name=f"hvd_magic-engine-{self.rank}",

@@ -84,10 +84,12 @@ def init(comm: Optional[Any] = None) -> None:
         # (fusion buckets, backends, chunk boundaries) or read each other's announcement
         # tables differently: rank 0's values hold. Chunking is for ranks that share memory
         # (measured there; see backends/mpi.py).
-        (cfg.fusion_threshold, cfg.cpu_operations, chunk, cfg.cache_capacity) = mine.bcast(
-            (cfg.fusion_threshold, cfg.cpu_operations, cfg.allreduce_chunk, cfg.cache_capacity),
-            root=0)
-        cfg.allreduce_chunk = chunk if local.Get_size() == mine.Get_size() else 0
+        (cfg.fusion_threshold, cfg.cpu_operations, chunk, cfg.cache_capacity, shm_min) = mine.bcast(
+            (cfg.fusion_threshold, cfg.cpu_operations, cfg.allreduce_chunk, cfg.cache_capacity,
+             cfg.shm_min), root=0)
+        one_host = local.Get_size() == mine.Get_size()
+        cfg.allreduce_chunk = chunk if one_host else 0
+        cfg.shm_min = shm_min if one_host else -1
         tl = Timeline(mine.Get_rank())
         _state.comm = base
         _state.rank, _state.size = mine.Get_rank(), mine.Get_size()

@@ -433,19 +433,23 @@ def _():
     with_env(HOROVOD_FUSION_THRESHOLD=None)
 
 
-@section("big allreduces cut into chunks")
-def _():
-    # Big allreduces run as several MPI calls; every rank must cut at the same places, so
-    # rank 0's HVD_MAGIC_ALLREDUCE_CHUNK_MB holds even when another rank's differs. A chunk
+def chunked_allreduces(shm: bool):
+    # Big allreduces run as several MPI calls (shm False) or through the shared-memory
+    # segment in slots of the chunk size (shm True); every rank must cut at the same places,
+    # so rank 0's HVD_MAGIC_ALLREDUCE_CHUNK_MB holds even when another rank's differs. A chunk
     # of 104 bytes (26 float32, 13 float64) puts boundaries inside every tensor below.
     hvd.shutdown()
     # (the other settings every rank must share get rank 0's values the same way)
     with_env(HVD_MAGIC_ALLREDUCE_CHUNK_MB="0.0001" if r == 0 else "5",
              HOROVOD_FUSION_THRESHOLD="1048576" if r == 0 else "0",
-             HOROVOD_CACHE_CAPACITY="7" if r == 0 else "0")
+             HOROVOD_CACHE_CAPACITY="7" if r == 0 else "0",
+             HVD_MAGIC_SHM=("1" if shm else "0") if r == 0 else ("0" if shm else "1"),
+             HVD_MAGIC_SHM_MIN_KB="0" if r == 0 else "100000")
     hvd.init()
     from hvd_magic.collectives import state
     eng = state.engine()
+    seg = eng.mpi_backend.shm
+    check((seg is not None) == (shm and n > 1), f"shared-memory segment {seg}")
     check(eng.mpi_backend.chunk == 104, f"chunk {eng.mpi_backend.chunk}")
     check(eng.cfg.fusion_threshold == 1048576, f"fusion threshold {eng.cfg.fusion_threshold}")
     check(eng.codec.cap == 7, f"announcement table size {eng.codec.cap}")
@@ -504,8 +508,24 @@ def _():
                  if e["pid"] == 0]
         for i in (1, 3, 5):
             check([f"mix{i}"] in calls, f"mix{i} not alone in one call: {calls}")
+    if seg is not None:
+        # every allreduce above went through the segment; nothing of it is left in /dev/shm
+        check(seg.calls >= (3 if EAGER else 12), f"shared-memory allreduces: {seg.calls}")
+        check(not [f for f in os.listdir(os.path.dirname(seg.path)) if f.startswith("hvd_magic-")],
+              f"segment files left in {os.path.dirname(seg.path)}")
     hvd.shutdown()
-    with_env(HVD_MAGIC_ALLREDUCE_CHUNK_MB=None, HOROVOD_FUSION_THRESHOLD=None, HOROVOD_CACHE_CAPACITY=None)
+    with_env(HVD_MAGIC_ALLREDUCE_CHUNK_MB=None, HOROVOD_FUSION_THRESHOLD=None, HOROVOD_CACHE_CAPACITY=None,
+             HVD_MAGIC_SHM=None, HVD_MAGIC_SHM_MIN_KB=None)
+
+
+@section("big allreduces cut into chunks: MPI calls")
+def _():
+    chunked_allreduces(shm=False)
+
+
+@section("big allreduces cut into chunks: shared memory")
+def _():
+    chunked_allreduces(shm=True)
 
 
 @section("HOROVOD_TIMELINE env")

@@ -13,6 +13,7 @@ from .. import ops
 from ..ops import ReduceOp
 from ..timeline import MEMCPY_IN, MEMCPY_OUT, now_us
 from .common import chunk_spans, displacements, post_factor, row_elems, scatter_rows
+from .shm import ShmAllreduce
 
 _MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.AVERAGE: MPI.SUM, ReduceOp.MIN: MPI.MIN,
             ReduceOp.MAX: MPI.MAX, ReduceOp.PRODUCT: MPI.PROD}
@@ -27,11 +28,11 @@ def mpi_op(op: int, dtype: str) -> MPI.Op:
     return _OP_CACHE[(int(op), dtype == "bool")]
 
 
-_EAGER_UFUNCS = {}
+_UFUNCS = {}
 for _op, _uf in ((ReduceOp.SUM, np.add), (ReduceOp.AVERAGE, np.add), (ReduceOp.MIN, np.minimum),
                  (ReduceOp.MAX, np.maximum), (ReduceOp.PRODUCT, np.multiply)):
-    _EAGER_UFUNCS[(_op, False)] = _uf
-_EAGER_UFUNCS.update({(ReduceOp.MIN, True): np.logical_and, (ReduceOp.MAX, True): np.logical_or,
+    _UFUNCS[(_op, False)] = _uf
+_UFUNCS.update({(ReduceOp.MIN, True): np.logical_and, (ReduceOp.MAX, True): np.logical_or,
                       (ReduceOp.PRODUCT, True): np.logical_and,
                       (ReduceOp.SUM, True): np.logical_or, (ReduceOp.AVERAGE, True): np.logical_or})
 
@@ -120,7 +121,9 @@ class MPIBackend:
 
     prefix = "MPI"
 
-    def __init__(self, comm: MPI.Comm, timeline: Any, chunk: int = 0):
+    def __init__(self, comm: MPI.Comm, timeline: Any, chunk: int = 0, shm_min: int = -1):
+        """``shm_min`` >= 0 (every rank on one host, collective): allreduces of at least
+        that many bytes go through a shared-memory segment (``shm.py``); -1: never."""
         self.comm = comm
         self.chunk = chunk        # bytes per MPI call for big allreduces (0: one call)
         self.rank = comm.Get_rank()
@@ -128,6 +131,13 @@ class MPIBackend:
         self.tl = timeline
         self._fusion: dict[str, np.ndarray] = {}
         self.results = ResultPool(_pool_budget())
+        self.shm: Optional[ShmAllreduce] = None
+        self.shm_min = shm_min
+        if shm_min >= 0 and self.size > 1:
+            self.shm = ShmAllreduce.open(comm, chunk if chunk > 0 else 1 << 20)
+
+    def _via_shm(self, nbytes: int) -> bool:
+        return self.shm is not None and nbytes >= self.shm_min
 
     def _fusion_buffer(self, dtype: np.dtype, n: int) -> np.ndarray:
         buf = self._fusion.get(dtype.str)
@@ -157,7 +167,9 @@ class MPIBackend:
                 # the result is copied out: MPI given fresh memory every call is 5x slower
                 # here (1 MiB: 840 us against 170 us with the copies; Open MPI sets up each
                 # new buffer for shared-memory transfer).
-                persistent = target is None and src.nbytes <= _PERSIST_MAX
+                # (MPI never sees the result's memory when shared memory carries the data)
+                shm = self._via_shm(src.nbytes)
+                persistent = target is None and not shm and src.nbytes <= _PERSIST_MAX
                 poolable = (target is None and src.nbytes >= ResultPool.MIN_BYTES
                             and self.results.budget > 0)
                 pooled = self.results.free(red, src.size) if poolable else None
@@ -169,10 +181,15 @@ class MPIBackend:
                 elif persistent:
                     work = self._fusion_buffer(red, src.size).reshape(src.shape)
                 else:
-                    work = np.empty(src.shape, dtype=red)
+                    base = np.empty(src.size, dtype=red)
+                    if poolable and shm:
+                        self.results.keep(base)
+                    work = base.reshape(src.shape)
+                    del base
                 pre = ann0.prescale
-                if red.kind == "f" and op == ReduceOp.AVERAGE:
+                if red.kind == "f" and op == ReduceOp.AVERAGE and not shm:
                     # 1/n while copying in; the sum of scaled inputs needs no pass after
+                    # (through shared memory each rank averages only its own part instead)
                     self._chunked_allreduce(work, mop, ReduceOp.SUM, ann0.postscale,
                                             n_contrib, src, pre / n_contrib)
                 else:
@@ -261,6 +278,12 @@ class MPIBackend:
         2-core VM): in place 16 MiB 3.3-3.9 ms as one call, 1.7-2.6 ms as 1 MiB calls;
         64 MiB 28-30 ms against 7.8-8.1 ms; at 3 ranks on 2 cores 16 MiB 11.1 -> 6.6 ms.
         """
+        if self._via_shm(work.nbytes):
+            self.shm.allreduce(work, work if src is None else src,
+                               _UFUNCS[(op, work.dtype.kind == "b")],
+                               lambda dst, res: self._finish_into(dst, res, op, postscale, n_contrib),
+                               pre)
+            return
         flat = work.reshape(-1)
         s = src.reshape(-1) if src is not None and (pre != 1.0 or src is not work) else None
         for lo, hi in chunk_spans(flat.size, flat.itemsize, self.chunk):
@@ -289,7 +312,7 @@ class MPIBackend:
             arrs = [(a * ann.prescale).astype(red, copy=False) for a in arrs]
         target = req.inplace_target() if not half else None
         acc = target.reshape(-1) if target is not None else np.empty(arrs[0].size, dtype=red)
-        ufunc = _EAGER_UFUNCS[(op, red.kind == "b")]
+        ufunc = _UFUNCS[(op, red.kind == "b")]
         if len(arrs) == 1:
             np.copyto(acc, arrs[0], casting="unsafe")
         else:
@@ -304,6 +327,25 @@ class MPIBackend:
         if self.tl.active:
             self.tl.add(ann.name, "EAGER_ALLREDUCE", t0, now_us() - t0, {"bytes": int(acc.nbytes)})
         req.set_array(target if target is not None else acc.reshape(ann.shape), dtype)
+
+    @staticmethod
+    def _finish_into(dst: np.ndarray, res: np.ndarray, op: ReduceOp, postscale: float,
+                     n_contrib: int) -> None:
+        """``dst`` := ``res`` averaged and post-scaled (one pass; a copy when nothing to do)."""
+        if res.dtype.kind == "f":
+            factor = post_factor(op, postscale, n_contrib)
+            if factor != 1.0:
+                np.multiply(res, res.dtype.type(factor), out=dst)
+                return
+        elif op == ReduceOp.AVERAGE and n_contrib != 1 and res.dtype.kind != "b":
+            np.floor_divide(res, n_contrib, out=dst)
+            if postscale != 1.0:
+                np.copyto(dst, dst * postscale, casting="unsafe")
+            return
+        elif postscale != 1.0:
+            np.copyto(dst, res * postscale, casting="unsafe")
+            return
+        dst[...] = res
 
     @staticmethod
     def _finish(buf: np.ndarray, op: ReduceOp, postscale: float, n_contrib: int) -> None:
