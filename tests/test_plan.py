@@ -319,11 +319,8 @@ def exchange(codecs, anns_per_rank):
     return wires
 
 
-def test_codec_keeps_unnamed_calls_out_and_starts_a_full_table_again():
+def test_codec_starts_a_full_table_again():
     ranks = [AnnCodec(2, rank=r, cap=3) for r in range(2)]
-    anon = ar("allreduce.noname.7")
-    for _ in range(2):
-        assert exchange(ranks, [[anon], []])[0] == (tuple(anon),)      # never indexed
     a, b = ar("a"), ar("b")
     assert exchange(ranks, [[a, b], []])[0] == (tuple(a), tuple(b))
     assert exchange(ranks, [[b, a], []])[0] == (1, 0)
@@ -340,6 +337,52 @@ def test_codec_keeps_unnamed_calls_out_and_starts_a_full_table_again():
     assert exchange(ranks, [[a], [b]]) == [(0,), (0,)]
 
 
+def test_codec_sends_unnamed_calls_as_an_index_and_a_step():
+    """Unnamed calls (kind.noname.N, a new N every call) enter the tables without their
+    number; later ones travel as (index, step from the last N, suffix), so a loop of
+    unnamed calls sends the same bytes every step and every rank decodes the full names."""
+    ranks = [AnnCodec(2, rank=r, cap=8) for r in range(2)]
+    n7, n8, n9 = ar("allreduce.noname.7"), ar("allreduce.noname.8"), ar("allreduce.noname.9")
+    assert exchange(ranks, [[n7], [n7]]) == [(tuple(n7),), (tuple(n7),)]
+    assert all(c.tables[r] == [ar("allreduce.noname")] for c in ranks for r in range(2))
+    assert exchange(ranks, [[n8], [n8]]) == [((0, 1, ""),), ((0, 1, ""),)]
+    assert exchange(ranks, [[n9], [n9]]) == [((0, 1, ""),), ((0, 1, ""),)]   # same bytes again
+    assert all(c.last[r] == {"allreduce.noname": 9} for c in ranks for r in range(2))
+    # another shape is another entry; suffixes (the optimizer's allreduce.noname.G.P) ride along
+    big = ar("allreduce.noname.10", shape=(9,))
+    p3, p1 = ar("allreduce.noname.0.3"), ar("allreduce.noname.0.1")
+    wires = exchange(ranks, [[big, p3, p1], [big, p3, p1]])
+    assert wires[0] == (tuple(big), (0, -10, ".3"), (0, 0, ".1"))
+    assert exchange(ranks, [[p3, p1], [p3, p1]])[0] == ((0, 0, ".3"), (0, 0, ".1"))
+    # a name that only looks unnamed (no number) is an ordinary name
+    odd = ar("x.noname.abc")
+    assert exchange(ranks, [[odd], []])[0] == (tuple(odd),)
+    assert exchange(ranks, [[odd], []])[0] == (2,)
+
+
+def test_codec_replays_a_kept_cycle_only_while_the_ranks_numbers_agree():
+    """A cycle served from the cache is not decoded: ``replay`` moves every rank's numbers as
+    decoding did. When the ranks' numbers no longer stand as they did (a rank skipped a
+    number), the same bytes would pair calls of different names: it refuses."""
+    ranks = [AnnCodec(2, rank=r, cap=8) for r in range(2)]
+    exchange(ranks, [[ar("allreduce.noname.1")], [ar("allreduce.noname.1")]])
+    for c in ranks:
+        c.begin()
+    exchange(ranks, [[ar("allreduce.noname.2")], [ar("allreduce.noname.2")]])
+    kept = ranks[0].moves()
+    assert kept == {(0, "allreduce.noname"): (1, 2), (1, "allreduce.noname"): (1, 2)}
+    # step 3 comes from the cache: nobody decodes, replay moves both ranks to 3
+    for c in ranks:
+        c.encode([ar("allreduce.noname.3")])
+        assert c.replay(kept)
+        assert c.last[0] == c.last[1] == {"allreduce.noname": 3}
+    # both encoders and decoders agree afterwards: the next step decodes to .4
+    assert exchange(ranks, [[ar("allreduce.noname.4")], [ar("allreduce.noname.4")]])[0] == ((0, 1, ""),)
+    # rank 1 skipped a number: the same step bytes now mean .5 on rank 0, .6 on rank 1
+    ranks[0].last[1]["allreduce.noname"] = 5
+    assert not ranks[0].replay(kept) and ranks[0].last[0] == {"allreduce.noname": 4}
+
+
 # ---------------------------------------------------------------- recurring cycles
 
 def test_cycle_cache_keeps_only_clean_cycles_and_answers_only_when_nothing_is_pending():
@@ -354,7 +397,7 @@ def test_cycle_cache_keeps_only_clean_cycles_and_answers_only_when_nothing_is_pe
                   dict(events=(("e",),)), dict(payloads=((0, b"1"),))):
         assert not CycleCache.cacheable(RankMsg(anns=(0,), **extra))
     cache.put(("k1",), ok, None)
-    assert cache.get(("k1",), busy=False) == (ok, None) and cache.hits == 1
+    assert cache.get(("k1",), busy=False) == (ok, None, None, None) and cache.hits == 1
     assert cache.get(("k1",), busy=True) is None          # something pending: decide afresh
     assert cache.get(None, busy=False) is None
     bad = [Response("m", "allreduce", {0: ar("m")}, error="boom", error_kind="mismatch")]

@@ -111,6 +111,7 @@ class Engine:
         self.neg = Negotiator(self.size)
         self.codec = AnnCodec(self.size, self.rank, cap=config.cache_capacity)
         self._codec_resets = 0
+        self._sent: list = []        # names of the requests in this rank's latest message
         self.cycle_cache = CycleCache(cap=min(256, config.cache_capacity))
         # The engine thread sleeps on ``_bell`` (a lock used as a doorbell: released = rung).
         # Plain locks are C-level and release the GIL while blocked, keeping hand-offs cheap.
@@ -344,6 +345,7 @@ class Engine:
                     if src.nbytes <= self._eager_max and src.nbytes <= budget:
                         budget -= src.nbytes
                         payloads.append((i, src.tobytes()))
+        self._sent = [r.ann.name for r in new]
         return RankMsg(self.codec.encode([r.ann for r in new]), tuple(cancels), join, shut,
                        self.tl.take(), tuple(payloads))
 
@@ -410,7 +412,7 @@ class Engine:
         self.cycles += 1
         now = time.monotonic()
         if hit is not None:
-            responses, plan = hit
+            responses, plan = hit[0], hit[1]
         else:
             with self._table_lock:
                 keep = key is not None and not self.neg.busy
@@ -419,7 +421,8 @@ class Engine:
             plan = (plan_fusion(responses, self.cfg.fusion_threshold, self._alone)
                     if len(responses) != 1 else None)
             if keep:
-                self.cycle_cache.put(key, responses, plan)
+                self.cycle_cache.put(key, responses, plan, self.codec.moves() if self.codec.moved else None,
+                                     msgs[self.rank].anns)
             if self.writer is not None:
                 for m in msgs:
                     if m.events:
@@ -471,13 +474,19 @@ class Engine:
             wire = key = tuple(bytes(mv[r * slot + 8:r * slot + 8 + lens[r]])
                                for r in range(self.size))
             hit = self.cycle_cache.get(key, self.neg.busy)
-            if hit is not None:
+            if hit is not None and (hit[2] is None or self.codec.replay(hit[2])):
+                if hit[3] is not None:
+                    # unnamed calls: this cycle's numbers, as this rank sent them
+                    sent = self._sent
+                    for resp, i in zip(hit[0], hit[3]):
+                        resp.name = sent[i]
                 self._in_cycle_since = 0.0
                 return None, key, hit
         else:
             wire = [mv[r * slot + 8:r * slot + 8 + lens[r]] for r in range(self.size)]
         out = []
         decode = self.codec.decode
+        self.codec.begin()
         for r, buf in enumerate(wire):
             anns, cancels, join, shut, events, payloads = marshal.loads(buf)
             if key is not None and not CycleCache.cacheable(

@@ -169,6 +169,29 @@ def _():
         except hvd.TensorMismatchError as e:
             check("loop.bad" in str(e), f"mismatch message {e}")
     check(np.allclose(hvd.allreduce(np.full(3, 1.0), name="loop.one"), 1.0), "after the mismatch")
+    # Unnamed calls (a new allreduce.noname.N every call) recur as the same bytes too: a loop
+    # of them is served from the cache, each step under its own names and with its values.
+    hits0 = cache.hits
+    for step in range(10):
+        x = np.full(5, float(r + step))
+        hvd.allreduce_(x, op=hvd.Sum)
+        y = hvd.allreduce(np.full(300, float(r * step)))
+        hs = [hvd.allreduce_async(np.full(k, float(r + k + step)), op=hvd.Sum) for k in (2, 3)]
+        g = hvd.grouped_allreduce([np.full(4, float(r + step)), np.full(6, float(step))], op=hvd.Max)
+        check(np.allclose(x, sum(q + step for q in range(n))), f"unnamed step {step} in place")
+        check(np.allclose(y, step * (n - 1) / 2), f"unnamed step {step} Average")
+        for h, k in zip(hs, (2, 3)):
+            check(np.allclose(hvd.synchronize(h), sum(q + k + step for q in range(n))), f"unnamed step {step} async {k}")
+        check(np.allclose(g[0], n - 1 + step) and np.allclose(g[1], step), f"unnamed step {step} grouped")
+    if not EAGER and os.environ.get("HOROVOD_CACHE_CAPACITY") != "0":
+        check(cache.hits >= hits0 + 20, f"unnamed loop: {cache.hits - hits0} cycles from the cache")
+    # a mismatch inside an unnamed loop still fails on every rank, and the loop goes on
+    for step in range(3):
+        try:
+            hvd.allreduce(np.ones(4 if (r == 0 and step == 1) else 5))
+            check(step != 1, "unnamed mismatch did not raise")
+        except hvd.TensorMismatchError as e:
+            check(step == 1 and "allreduce.noname." in str(e), f"unnamed mismatch step {step}: {e}")
 
 
 @section("announcement tables that fill up")
