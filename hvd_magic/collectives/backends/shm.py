@@ -7,21 +7,27 @@ two barriers; measured side by side in one 2-rank job (``benchmarks/README.md``)
 64-77 us against 112-124 us, 400 KiB 50-60 us against 76-88 us, 64 KiB about equal;
 3 ranks on the 2 cores, 1 MiB 259 us against 559 us.
 
-The algorithm, per chunk of at most ``slot`` bytes (``chunk_plan``), for rank ``r`` of
-``n`` with the chunk split into ``n`` contiguous parts (``part_bounds``)::
+The algorithm, for rank ``r`` of ``n``: the buffer is cut into chunks of at most ``slot``
+bytes (``chunk_plan``) and each chunk into ``n`` contiguous parts (``part_bounds``); rank
+``r`` reduces part ``r`` of every chunk. For chunk ``i``::
 
-    1. copy the parts other ranks reduce into slot r of the segment   (rank r's own part
-                                                                        stays where it is)
-    2. barrier
-    3. part r of the result region := own part (op) slot k's part r, for every k != r
-    4. barrier
-    5. copy the whole result region out, finishing it on the way (Average's 1/n, postscale)
+    in(i)   copy the parts other ranks reduce into bank i%2 of this rank's slot
+            (rank r's own part stays where it is)
+    red(i)  part r of bank i%2 of the result := own part (op) every other rank's slot
+    out(i)  copy the whole chunk of the result out, finishing it on the way (Average's
+            1/n, postscale)
+
+pipelined with one barrier per chunk plus one at the end::
+
+    in(0) | B | red(0) in(1) | B | out(0) red(1) in(2) | B | ... | B | out(k-1)
+
+Each step only touches what the barriers before it made safe: red(i) reads the other
+ranks' in(i) (a barrier between them), out(i) reads every rank's red(i) (likewise), and a
+bank is written again two chunks later, after a barrier that every reader of its last
+contents passed. The next call starts the same way and is safe for the same reason.
 
 Each rank reduces only its own part, and every rank finishes the same values the same
-way, so all ranks hold bit-identical results. One slot per rank and one result region suffice
-for back-to-back chunks and calls: a rank writes slot r (step 1) only after the barrier
-of step 4, when every rank has read it, and writes the result region (step 3) only after
-the next step-2 barrier, when every rank has copied the previous result out.
+way, so all ranks hold bit-identical results.
 
 Example, 2 ranks, Sum of 4 elements::
 
@@ -85,11 +91,16 @@ class ShmAllreduce:
         self.mem = np.frombuffer(mm, dtype=np.uint8)
         self.calls = 0            # allreduces done this way (tests read it)
 
+    @staticmethod
+    def segment_bytes(size: int, slot: int) -> int:
+        """Two banks of a slot per rank and of a result region."""
+        return 2 * (size + 1) * slot
+
     @classmethod
     def open(cls, comm: Any, slot: int) -> Optional["ShmAllreduce"]:
         """Map one segment on every rank of ``comm`` (collective; all ranks must share a
         host). Returns None on every rank when any rank could not map it."""
-        total = slot * (comm.Get_size() + 1)
+        total = cls.segment_bytes(comm.Get_size(), slot)
         path, fd = None, -1
         if comm.Get_rank() == 0:
             try:
@@ -137,35 +148,52 @@ class ShmAllreduce:
         it = dt.itemsize
         mem = self.mem
         barrier = self.comm.Barrier
-        res_off = n * slot
-        mine = r * slot
-        for lo, hi in chunk_plan(w.size, it, slot):
+        bank = (n + 1) * slot                      # bytes of one bank
+        chunks = chunk_plan(w.size, it, slot)
+
+        def slot_of(k: int, i: int, a: int, b: int) -> np.ndarray:
+            off = (i % 2) * bank + k * slot
+            return mem[off + a * it:off + b * it].view(dt)
+
+        def copy_in(i: int) -> None:
+            lo, hi = chunks[i]
             b = part_bounds(hi - lo, n)
-            # 1. the parts the other ranks reduce, into this rank's slot
-            sl = mem[mine:mine + (hi - lo) * it].view(dt)
             for k in range(n):
                 if k != r and b[k] != b[k + 1]:
+                    dst = slot_of(r, i, b[k], b[k + 1])
                     if pre != 1.0:
-                        np.multiply(s[lo + b[k]:lo + b[k + 1]], pre, out=sl[b[k]:b[k + 1]],
-                                    casting="unsafe")
+                        np.multiply(s[lo + b[k]:lo + b[k + 1]], pre, out=dst, casting="unsafe")
                     else:
-                        sl[b[k]:b[k + 1]] = s[lo + b[k]:lo + b[k + 1]]
-            barrier()
-            # 3. this rank's part of the (unfinished) result, from its own input and every
-            #    other rank's slot, straight into the result region
+                        dst[...] = s[lo + b[k]:lo + b[k + 1]]
+
+        def reduce(i: int) -> None:
+            lo, hi = chunks[i]
+            b = part_bounds(hi - lo, n)
             p0, p1 = b[r], b[r + 1]
-            if p1 > p0:
-                out = mem[res_off + p0 * it:res_off + p1 * it].view(dt)
-                acc = s[lo + p0:lo + p1]
-                if pre != 1.0:
-                    np.multiply(acc, pre, out=out, casting="unsafe")
+            if p1 == p0:
+                return
+            out = slot_of(n, i, p0, p1)            # the result region follows the n slots
+            acc = s[lo + p0:lo + p1]
+            if pre != 1.0:
+                np.multiply(acc, pre, out=out, casting="unsafe")
+                acc = out
+            for k in range(n):
+                if k != r:
+                    ufunc(acc, slot_of(k, i, p0, p1), out=out, casting="unsafe")
                     acc = out
-                for k in range(n):
-                    if k != r:
-                        ufunc(acc, mem[k * slot + p0 * it:k * slot + p1 * it].view(dt), out=out,
-                              casting="unsafe")
-                        acc = out
+
+        def copy_out(i: int) -> None:
+            lo, hi = chunks[i]
+            finish_into(w[lo:hi], slot_of(n, i, 0, hi - lo))
+
+        copy_in(0)
+        for i in range(len(chunks)):
             barrier()
-            # 5. every part of the result, finished on the way out
-            finish_into(w[lo:hi], mem[res_off:res_off + (hi - lo) * it].view(dt))
+            if i:
+                copy_out(i - 1)
+            reduce(i)
+            if i + 1 < len(chunks):
+                copy_in(i + 1)
+        barrier()
+        copy_out(len(chunks) - 1)
         self.calls += 1
