@@ -10,10 +10,11 @@ What it measures (numpy float32 throughout):
 - allreduce at 4 KiB .. 64 MiB: raw ``comm.Allreduce(IN_PLACE, x, SUM)`` against
   ``hvd.allreduce_(x, op=hvd.Sum)`` (in place, apples to apples) and the default
   ``hvd.allreduce(x)`` (out of place, Average); raw out of place into a fresh buffer is
-  shown for reference only; where the data goes through shared memory (>= 128 KiB), also
-  the in-place Sum through MPI calls (``HVD_MAGIC_SHM=0``), and above the allreduce chunk
-  (1 MiB) as one MPI call per buffer (``HVD_MAGIC_ALLREDUCE_CHUNK_MB=0`` too), to show
-  what each gives;
+  shown for reference only; where the data may go through shared memory (>= 128 KiB),
+  also the in-place Sum through MPI calls only (``HVD_MAGIC_ALLREDUCE_PATH=mpi``), and
+  above the allreduce chunk (1 MiB) as one MPI call per buffer
+  (``HVD_MAGIC_ALLREDUCE_CHUNK_MB=0`` too), to show what each gives, and the path the
+  runtime settled on per size;
 - 100 tensors of 4 KiB: 100 raw blocking Allreduce calls against 100
   ``hvd.allreduce_async_`` + ``hvd.synchronize`` and one ``hvd.grouped_allreduce``;
 - CPU of an idle runtime (10 s after init) and of a rank waiting in allreduce for a
@@ -153,23 +154,24 @@ class Bench:
 
                 variants["hvd_sum_named"] = hvd_named
             backend = hvd_state.engine().mpi_backend
-            chunk, shm_min = backend.chunk, backend.shm_min
+            chunk, path = backend.chunk, backend.path
 
             def hvd_mpi_path(one_call: bool):
                 def run():
-                    # in place Sum with the data through MPI calls, as with HVD_MAGIC_SHM=0
-                    # (and one MPI call per buffer, as with HVD_MAGIC_ALLREDUCE_CHUNK_MB=0);
-                    # every rank switches at the same point of the interleaving
-                    backend.shm_min = 1 << 62
+                    # in place Sum with the data through MPI calls, as with
+                    # HVD_MAGIC_ALLREDUCE_PATH=mpi (and one MPI call per buffer, as with
+                    # HVD_MAGIC_ALLREDUCE_CHUNK_MB=0 too); every rank switches at the same
+                    # point of the interleaving
+                    backend.path = "mpi"
                     if one_call:
                         backend.chunk = 0
                     try:
                         hvd.allreduce_(hvd_ip, op=hvd.Sum)
                     finally:
-                        backend.chunk, backend.shm_min = chunk, shm_min
+                        backend.chunk, backend.path = chunk, path
                 return run
 
-            if backend._via_shm(nbytes):
+            if "shm" in backend._candidates(nbytes):
                 variants["hvd_sum_mpi"] = hvd_mpi_path(False)
             if nbytes > chunk > 0:
                 variants["hvd_sum_1call"] = hvd_mpi_path(True)
@@ -181,7 +183,11 @@ class Bench:
             med = {"raw_oop": float("nan"), "hvd_sum_1call": float("nan"), "hvd_sum_named": float("nan"),
                    "hvd_sum_mpi": float("nan")}
             med.update({k: statistics.median(v) for k, v in s.items()})
-            rows.append({"bytes": nbytes, "n": len(s["raw"]), **{f"{k}_s": v for k, v in med.items()}})
+            chosen = {what or "in place": p for (c, cands, what), p in backend.tuner.settled().items()
+                      if c == nbytes.bit_length() - 1 and "shm" in cands and p}
+            chosen = [f"{p} ({w})" for w, p in sorted(chosen.items())]
+            rows.append({"bytes": nbytes, "n": len(s["raw"]), "path": ", ".join(chosen) or "-",
+                         **{f"{k}_s": v for k, v in med.items()}})
             if self.rank == 0 and self.args.verbose:
                 print(f"  {human(nbytes)}: " + ", ".join(f"{k} {fmt_t(v)}" for k, v in med.items()),
                       flush=True)
@@ -291,8 +297,11 @@ def report(res: dict, args) -> list:
     p("  (Sum/raw, Avg/raw: time ratio, lower is better; Sum bw, Avg bw: fraction of raw MPI's "
       "bandwidth, higher is better;")
     p("   raw oop: raw MPI out of place into a fresh np.empty buffer, reference only; above 1 MiB only with --oop-all)")
-    for key, label in (("hvd_sum_mpi", "in place Sum with the data through MPI calls (HVD_MAGIC_SHM=0)"),
-                       ("hvd_sum_1call", "in place Sum as one MPI call per buffer (HVD_MAGIC_SHM=0, "
+    p("path the runtime settled on (HVD_MAGIC_ALLREDUCE_PATH=auto, per size, after its trials): " + ", ".join(
+        f"{human(r['bytes'])}: {r['path']}" for r in res["sizes"] if r["path"] != "-"))
+    for key, label in (("hvd_sum_mpi", "in place Sum with the data through MPI calls "
+                                       "(HVD_MAGIC_ALLREDUCE_PATH=mpi)"),
+                       ("hvd_sum_1call", "in place Sum as one MPI call per buffer (HVD_MAGIC_ALLREDUCE_PATH=mpi, "
                                          "HVD_MAGIC_ALLREDUCE_CHUNK_MB=0)")):
         rows = [r for r in res["sizes"] if r[f"{key}_s"] == r[f"{key}_s"]]
         if rows:

@@ -434,3 +434,32 @@ def test_shared_memory_plan_covers_every_element_once():
             b = part_bounds(hi - lo, ranks)
             seen += [i for k in range(ranks) for i in range(lo + b[k], lo + b[k + 1])]
         assert seen == list(range(n_elems))
+
+
+def test_path_tuner_tries_each_way_then_keeps_the_verdict_and_looks_again():
+    """The data-path tuner is the same pure state machine on every rank: per size class it
+    tries each candidate in turn, asks for a verdict after the last trial, keeps the settled
+    path, and after ``revisit`` calls tries every candidate again."""
+    from hvd_magic.collectives.backends.tune import PathTuner
+
+    t = PathTuner(trials=2, retrials=1, revisit=3)
+    cands = ("shm", "chunks", "one")
+    mb = 1 << 20
+    assert t.choose(mb, ("one",)) == ("one", False)              # nothing to choose
+    seen = []
+    for _ in range(6):
+        path, trial = t.choose(mb, cands)
+        assert trial and not t.due(mb, cands)
+        seen.append(path)
+        t.record(mb, cands, "", path, {"shm": 3.0, "chunks": 1.0, "one": 2.0}[path] * 1e-4)
+    assert seen == ["shm", "chunks", "one"] * 2 and t.due(mb, cands)
+    assert t.verdict(mb, cands) == "chunks"
+    t.settle(mb, cands, "", "one")                               # rank 0 said otherwise: its word holds
+    assert not t.due(mb, cands) and t.settled() == {(20, cands, ""): "one"}
+    assert t.choose(mb, cands, "out of place") == ("shm", True)  # kept apart from in place
+    # another size in the same power of two shares the class; another class starts afresh
+    assert [t.choose(mb + 5, cands) for _ in range(2)] == [("one", False)] * 2
+    assert t.choose(4 * mb, cands) == ("shm", True)
+    # the third settled call starts a shorter round of trials
+    assert t.choose(mb, cands) == ("one", False)
+    assert [t.choose(mb, cands) for _ in range(3)] == [("shm", True), ("chunks", True), ("one", True)]

@@ -61,6 +61,14 @@ def _env_float(name: str, default: float) -> float:
         raise ValueError(f"{name}={raw!r} is not a number") from None
 
 
+def _allreduce_path() -> str:
+    path = os.environ.get("HVD_MAGIC_ALLREDUCE_PATH", "auto").strip().lower() or "auto"
+    if path not in ("auto", "shm", "mpi"):
+        raise ValueError(f"HVD_MAGIC_ALLREDUCE_PATH={path!r}: use 'auto' (measure which way is "
+                         "fastest), 'shm' (shared memory on one host) or 'mpi' (MPI calls only)")
+    return path
+
+
 @dataclass
 class Config:
     """Runtime settings, from Horovod's environment variables."""
@@ -69,7 +77,8 @@ class Config:
     fusion_threshold: int = 64 * 1024 * 1024
     allreduce_chunk: int = 1024 * 1024    # bytes per MPI call for big allreduces; 0: one call
     cache_capacity: int = 1024            # announcements remembered per rank; 0: no caching
-    shm_min: int = 128 * 1024             # allreduces this big go through shared memory; -1: never
+    shm_min: int = 128 * 1024             # allreduces this big may go through shared memory; -1: never
+    allreduce_path: str = "auto"          # auto (measured per size), shm, mpi
     stall_check_s: float = 60.0          # 0 disables the warning
     stall_shutdown_s: float = 0.0        # 0: never fail stalled requests
     cpu_operations: str = "mpi"
@@ -89,8 +98,8 @@ class Config:
             fusion_threshold=int(_env_float("HOROVOD_FUSION_THRESHOLD", 64 * 1024 * 1024)),
             allreduce_chunk=max(0, int(_env_float("HVD_MAGIC_ALLREDUCE_CHUNK_MB", 1.0) * 2**20)),
             cache_capacity=max(0, int(_env_float("HOROVOD_CACHE_CAPACITY", 1024))),
-            shm_min=(-1 if os.environ.get("HVD_MAGIC_SHM", "1").strip() == "0"
-                     else max(0, int(_env_float("HVD_MAGIC_SHM_MIN_KB", 128.0) * 1024))),
+            shm_min=max(0, int(_env_float("HVD_MAGIC_SHM_MIN_KB", 128.0) * 1024)),
+            allreduce_path=_allreduce_path(),
             stall_check_s=stall,
             stall_shutdown_s=_env_float("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0.0),
             cpu_operations=cpu_ops,
@@ -159,7 +168,8 @@ class Engine:
         self.writer: Optional[TimelineWriter] = None
         from .backends.mpi import MPIBackend
         self.mpi_backend = MPIBackend(comm, timeline, config.allreduce_chunk,
-                                      config.shm_min if config.cpu_operations == "mpi" else -1)
+                                      config.shm_min if config.cpu_operations == "mpi" else -1,
+                                      config.allreduce_path)
         # CPU tensors this big are reduced alone, never fused (plan_fusion)
         self._alone = config.allreduce_chunk if config.cpu_operations == "mpi" else 0
         self.thread = threading.Thread(target=self._main, name=f"hvd_magic-engine-{self.rank}",

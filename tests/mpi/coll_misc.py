@@ -466,7 +466,7 @@ def chunked_allreduces(shm: bool):
     with_env(HVD_MAGIC_ALLREDUCE_CHUNK_MB="0.0001" if r == 0 else "5",
              HOROVOD_FUSION_THRESHOLD="1048576" if r == 0 else "0",
              HOROVOD_CACHE_CAPACITY="7" if r == 0 else "0",
-             HVD_MAGIC_SHM=("1" if shm else "0") if r == 0 else ("0" if shm else "1"),
+             HVD_MAGIC_ALLREDUCE_PATH=("shm" if shm else "mpi") if r == 0 else ("mpi" if shm else "shm"),
              HVD_MAGIC_SHM_MIN_KB="0" if r == 0 else "100000")
     hvd.init()
     from hvd_magic.collectives import state
@@ -538,7 +538,7 @@ def chunked_allreduces(shm: bool):
               f"segment files left in {os.path.dirname(seg.path)}")
     hvd.shutdown()
     with_env(HVD_MAGIC_ALLREDUCE_CHUNK_MB=None, HOROVOD_FUSION_THRESHOLD=None, HOROVOD_CACHE_CAPACITY=None,
-             HVD_MAGIC_SHM=None, HVD_MAGIC_SHM_MIN_KB=None)
+             HVD_MAGIC_ALLREDUCE_PATH=None, HVD_MAGIC_SHM_MIN_KB=None)
 
 
 @section("big allreduces cut into chunks: MPI calls")
@@ -549,6 +549,48 @@ def _():
 @section("big allreduces cut into chunks: shared memory")
 def _():
     chunked_allreduces(shm=True)
+
+
+@section("the data path chosen by measuring")
+def _():
+    # HVD_MAGIC_ALLREDUCE_PATH=auto (the default): per size class each candidate way (shared
+    # memory, MPI calls of the chunk, one MPI call) is tried in turn, then every rank takes
+    # rank 0's verdict. Every rank must choose the same way at the same call, whatever its
+    # own timings, or the ranks would pair different calls (a hang).
+    from hvd_magic.collectives import state
+    from hvd_magic.collectives.backends import tune
+    hvd.shutdown()
+    with_env(HVD_MAGIC_ALLREDUCE_CHUNK_MB="0.001", HVD_MAGIC_SHM_MIN_KB="1")
+    hvd.init()
+    be = state.engine().mpi_backend
+    sizes = (300, 700, 3000)                     # float32: 1.2 KB, 2.8 KB, 12 KB
+    calls = (len(be._candidates(4 * 3000)) * (tune.TRIALS + tune.RETRIALS) + 2) + 3
+    be.tuner.revisit = 5                         # look again soon: the retrials run here too
+    # Skew what each rank measures: rank 0 finds the first candidate fastest, the others the
+    # last one. Only rank 0's verdict may count.
+    record = be.tuner.record
+
+    def skewed(nbytes, cands, what, path, seconds):
+        favourite = cands[0] if r == 0 else cands[-1]
+        record(nbytes, cands, what, path, seconds * (1 if path == favourite else 100))
+
+    be.tuner.record = skewed
+    for i in range(calls):
+        for k in sizes:
+            x = np.full(k, float(r + i), dtype=np.float32)
+            hvd.allreduce_(x, op=hvd.Sum, name=f"auto.{k}")
+            check(np.array_equal(x, np.full(k, float(sum(q + i for q in range(n))))), f"auto {k} call {i}")
+        g = hvd.allreduce(np.full(2000, float(r * i)), name="auto.avg")
+        check(np.allclose(g, i * (n - 1) / 2), f"auto Average call {i}")
+    settled = be.tuner.settled()
+    check(len(settled) >= 3 and all(p == cands[0] for (_, cands, _), p in settled.items()),
+          f"not settled on rank 0's verdicts: {settled}")
+    every = hvd.allgather_object(sorted(settled.items()))
+    check(all(e == every[0] for e in every), f"ranks settled differently: {every}")
+    if n > 1:
+        check(be.shm is not None and be.shm.calls > 0, "shared memory never tried")
+    hvd.shutdown()
+    with_env(HVD_MAGIC_ALLREDUCE_CHUNK_MB=None, HVD_MAGIC_SHM_MIN_KB=None)
 
 
 @section("HOROVOD_TIMELINE env")

@@ -563,13 +563,14 @@ def main():
                       # every allreduce through the shared-memory segment, in 1048-byte
                       # chunks (boundaries inside tensors and fusion buffers)
                       ("shm", {"HVD_MAGIC_EAGER": "0", "HVD_MAGIC_SHM_MIN_KB": "0",
-                               "HVD_MAGIC_ALLREDUCE_CHUNK_MB": "0.001"}),
+                               "HVD_MAGIC_ALLREDUCE_CHUNK_MB": "0.001",
+                               "HVD_MAGIC_ALLREDUCE_PATH": "shm"}),
                       ("gloo", {"HOROVOD_CPU_OPERATIONS": "gloo"})):
         if len(sys.argv) > 1 and mode not in sys.argv[1:]:
             continue
         MODE = mode
         for k in ("HVD_MAGIC_EAGER", "HOROVOD_FUSION_THRESHOLD", "HOROVOD_CPU_OPERATIONS",
-                  "HVD_MAGIC_SHM_MIN_KB", "HVD_MAGIC_ALLREDUCE_CHUNK_MB"):
+                  "HVD_MAGIC_SHM_MIN_KB", "HVD_MAGIC_ALLREDUCE_CHUNK_MB", "HVD_MAGIC_ALLREDUCE_PATH"):
             os.environ.pop(k, None)
         os.environ.update(env)
         t0 = time.time()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import time
 from typing import Any, Optional
 
 import numpy as np
@@ -14,6 +15,7 @@ from ..ops import ReduceOp
 from ..timeline import MEMCPY_IN, MEMCPY_OUT, now_us
 from .common import chunk_spans, displacements, post_factor, row_elems, scatter_rows
 from .shm import ShmAllreduce
+from .tune import PathTuner
 
 _MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.AVERAGE: MPI.SUM, ReduceOp.MIN: MPI.MIN,
             ReduceOp.MAX: MPI.MAX, ReduceOp.PRODUCT: MPI.PROD}
@@ -121,9 +123,12 @@ class MPIBackend:
 
     prefix = "MPI"
 
-    def __init__(self, comm: MPI.Comm, timeline: Any, chunk: int = 0, shm_min: int = -1):
+    def __init__(self, comm: MPI.Comm, timeline: Any, chunk: int = 0, shm_min: int = -1,
+                 path: str = "auto"):
         """``shm_min`` >= 0 (every rank on one host, collective): allreduces of at least
-        that many bytes go through a shared-memory segment (``shm.py``); -1: never."""
+        that many bytes may go through a shared-memory segment (``shm.py``); -1: never.
+        ``path`` (HVD_MAGIC_ALLREDUCE_PATH): ``auto`` measures which way is fastest per
+        size (``tune.py``), ``shm`` always takes the segment when it may, ``mpi`` never."""
         self.comm = comm
         self.chunk = chunk        # bytes per MPI call for big allreduces (0: one call)
         self.rank = comm.Get_rank()
@@ -133,11 +138,27 @@ class MPIBackend:
         self.results = ResultPool(_pool_budget())
         self.shm: Optional[ShmAllreduce] = None
         self.shm_min = shm_min
-        if shm_min >= 0 and self.size > 1:
+        self.path = path
+        self.tuner = PathTuner()
+        if shm_min >= 0 and self.size > 1 and path != "mpi":
             self.shm = ShmAllreduce.open(comm, chunk if chunk > 0 else 1 << 20)
 
-    def _via_shm(self, nbytes: int) -> bool:
-        return self.shm is not None and nbytes >= self.shm_min
+    def _candidates(self, nbytes: int) -> tuple:
+        """The ways an allreduce of ``nbytes`` may move its data (see ``tune.py``)."""
+        shm = self.shm is not None and nbytes >= self.shm_min and self.path != "mpi"
+        chunks = 0 < self.chunk < nbytes
+        if shm and self.path == "shm":
+            return ("shm",)
+        if self.path != "auto":
+            return ("chunks",) if chunks else ("one",)
+        return ("shm",) * shm + ("chunks",) * chunks + ("one",)
+
+    def _pick(self, nbytes: int, what: str = "") -> tuple:
+        """(path, candidates, what, trial) for the next allreduce of ``nbytes``: the same on
+        every rank, since every rank makes the same calls in the same order."""
+        cands = self._candidates(nbytes)
+        path, trial = self.tuner.choose(nbytes, cands, what)
+        return path, cands, what, trial
 
     def _fusion_buffer(self, dtype: np.dtype, n: int) -> np.ndarray:
         buf = self._fusion.get(dtype.str)
@@ -168,7 +189,8 @@ class MPIBackend:
                 # here (1 MiB: 840 us against 170 us with the copies; Open MPI sets up each
                 # new buffer for shared-memory transfer).
                 # (MPI never sees the result's memory when shared memory carries the data)
-                shm = self._via_shm(src.nbytes)
+                pick = self._pick(src.nbytes, "out of place")
+                shm = pick[0] == "shm"
                 persistent = target is None and not shm and src.nbytes <= _PERSIST_MAX
                 poolable = (target is None and src.nbytes >= ResultPool.MIN_BYTES
                             and self.results.budget > 0)
@@ -191,9 +213,9 @@ class MPIBackend:
                     # 1/n while copying in; the sum of scaled inputs needs no pass after
                     # (through shared memory each rank averages only its own part instead)
                     self._chunked_allreduce(work, mop, ReduceOp.SUM, ann0.postscale,
-                                            n_contrib, src, pre / n_contrib)
+                                            n_contrib, src, pre / n_contrib, pick)
                 else:
-                    self._chunked_allreduce(work, mop, op, ann0.postscale, n_contrib, src, pre)
+                    self._chunked_allreduce(work, mop, op, ann0.postscale, n_contrib, src, pre, pick)
                 if not persistent:
                     res = work
                 elif poolable:
@@ -268,33 +290,46 @@ class MPIBackend:
                 self.tl.add(ann.name, MEMCPY_OUT, t2, t3 - t2)
 
     def _chunked_allreduce(self, work: np.ndarray, mop: MPI.Op, op: ReduceOp, postscale: float,
-                n_contrib: int, src: Optional[np.ndarray] = None, pre: float = 1.0) -> None:
+                           n_contrib: int, src: Optional[np.ndarray] = None, pre: float = 1.0,
+                           pick: Optional[tuple] = None) -> None:
         """``work`` (contiguous) := allreduce of ``src * pre`` (or of ``work`` itself when
-        ``src`` is None), averaged and post-scaled, in MPI calls of at most ``self.chunk``
-        bytes. Each chunk is copied in, reduced and finished while it is still in cache.
+        ``src`` is None), averaged and post-scaled, the data moved the way ``pick`` says
+        (:meth:`_pick`, made here when None): through the shared-memory segment, or in MPI
+        calls of at most ``self.chunk`` bytes (``chunks``) or one (``one``). Chunks are
+        copied in, reduced and finished while they are still in cache.
 
         Why chunks: Open MPI's single Allreduce of a big buffer runs through temporaries
         of the whole size and falls out of the caches. Same 2-rank job, interleaved (the
         2-core VM): in place 16 MiB 3.3-3.9 ms as one call, 1.7-2.6 ms as 1 MiB calls;
         64 MiB 28-30 ms against 7.8-8.1 ms; at 3 ranks on 2 cores 16 MiB 11.1 -> 6.6 ms.
+        In some launches of this VM one call is faster still (``tune.py``).
         """
-        if self._via_shm(work.nbytes):
+        path, cands, what, trial = pick if pick is not None else self._pick(work.nbytes)
+        t0 = time.perf_counter() if trial else 0.0
+        if path == "shm":
             self.shm.allreduce(work, work if src is None else src,
                                _UFUNCS[(op, work.dtype.kind == "b")],
                                lambda dst, res: self._finish_into(dst, res, op, postscale, n_contrib),
                                pre)
-            return
-        flat = work.reshape(-1)
-        s = src.reshape(-1) if src is not None and (pre != 1.0 or src is not work) else None
-        for lo, hi in chunk_spans(flat.size, flat.itemsize, self.chunk):
-            part = flat[lo:hi] if hi - lo != flat.size else flat
-            if s is not None:
-                if pre != 1.0:
-                    np.multiply(s[lo:hi], pre, out=part, casting="unsafe")
-                else:
-                    np.copyto(part, s[lo:hi], casting="unsafe")
-            self.comm.Allreduce(MPI.IN_PLACE, part, op=mop)
-            self._finish(part, op, postscale, n_contrib)
+        else:
+            flat = work.reshape(-1)
+            s = src.reshape(-1) if src is not None and (pre != 1.0 or src is not work) else None
+            for lo, hi in chunk_spans(flat.size, flat.itemsize, self.chunk if path == "chunks" else 0):
+                part = flat[lo:hi] if hi - lo != flat.size else flat
+                if s is not None:
+                    if pre != 1.0:
+                        np.multiply(s[lo:hi], pre, out=part, casting="unsafe")
+                    else:
+                        np.copyto(part, s[lo:hi], casting="unsafe")
+                self.comm.Allreduce(MPI.IN_PLACE, part, op=mop)
+                self._finish(part, op, postscale, n_contrib)
+        if trial:
+            nbytes, tuner = work.nbytes, self.tuner
+            tuner.record(nbytes, cands, what, path, time.perf_counter() - t0)
+            if tuner.due(nbytes, cands, what):
+                # every rank is at this same call: take rank 0's verdict
+                best = tuner.verdict(nbytes, cands, what) if self.rank == 0 else None
+                tuner.settle(nbytes, cands, what, self.comm.bcast(best, root=0))
 
     def reduce_eager(self, req: Any, resp: Any, n_contrib: int) -> None:
         """Reduce inputs that every rank sent with the negotiation, in rank order (so every

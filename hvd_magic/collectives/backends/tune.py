@@ -1,0 +1,118 @@
+"""Which way a big allreduce moves its data: chosen by measuring, the same on every rank.
+
+On one host a big CPU allreduce can go three ways: through the shared-memory segment
+(``shm``), as MPI calls of ``HVD_MAGIC_ALLREDUCE_CHUNK_MB`` (``chunks``), or as one MPI call
+(``one``). Which is fastest depends on the size and on the machine's state, which on this
+2-core VM changes from launch to launch (``benchmarks/README.md``, 2026-11-24): in most
+launches ``shm`` is fastest at every size (16 MiB at 2 ranks: 2.4 ms, chunks 3.4, one call
+3.0), in others cache-to-cache traffic between the cores is ~4x slower and above 2 MiB one
+MPI call wins (16 MiB: shm 7.9 ms, chunks 4.2-6.5, one call 2.5-3.8).
+
+:class:`PathTuner` is pure (no communication, no clock): every rank keeps one and feeds it
+the same calls in the same order, so every rank asks for the same path at the same call.
+Per size class (a power of two) it first tries each candidate ``TRIALS`` times in turn;
+then the caller broadcasts rank 0's verdict (the path with the least median time per byte
+among rank 0's own trials) and every rank settles on it. After ``REVISIT`` calls on the
+settled path it tries every candidate ``RETRIALS`` times again, since the machine's state
+may have changed; the settled path gives way only to one ``MARGIN`` faster. Example,
+candidates (shm, chunks, one), TRIALS 2::
+
+    calls 0-5: shm chunks one shm chunks one   (measured)     after call 5: verdict due
+    calls 6..: the verdict, e.g. shm, for REVISIT calls, then a shorter round of trials
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Optional
+
+TRIALS = 5          # calls per candidate when a size class is first seen
+RETRIALS = 4        # calls per candidate when a settled class is looked at again
+REVISIT = 400       # calls on the settled path before looking again
+MARGIN = 0.1        # a settled path gives way only to one this much faster
+
+
+def size_class(nbytes: int) -> int:
+    """The power of two at or below ``nbytes`` (its bit length - 1).
+
+    >>> size_class(1 << 20), size_class((1 << 21) - 1)
+    (20, 20)
+    """
+    return max(0, nbytes.bit_length() - 1)
+
+
+class _Class:
+    __slots__ = ("plan", "left", "calls", "times", "settled")
+
+    def __init__(self, plan: list) -> None:
+        self.plan = plan          # paths still to try, in order
+        self.left = len(plan)     # trials of this round not yet measured
+        self.calls = 0            # calls on the settled path since it was settled
+        self.times: dict = {}     # path -> seconds per byte measured in this round of trials
+        self.settled: Optional[str] = None
+
+
+class PathTuner:
+    """Per size class and set of candidate paths: trials, a verdict, the settled path."""
+
+    def __init__(self, trials: int = TRIALS, retrials: int = RETRIALS, revisit: int = REVISIT) -> None:
+        self.trials, self.retrials, self.revisit = trials, retrials, revisit
+        self.classes: dict = {}
+
+    def choose(self, nbytes: int, candidates: tuple, what: str = "") -> tuple:
+        """``(path, trial)`` for the next call of ``nbytes``: a trial is to be measured
+        (:meth:`record`) and may make a verdict due (:meth:`due`). ``what`` keeps calls
+        that cost differently apart (an out-of-place result is one more pass over the data
+        on some paths and none on others)."""
+        if len(candidates) == 1:
+            return candidates[0], False
+        key = (size_class(nbytes), candidates, what)
+        c = self.classes.get(key)
+        if c is None:
+            c = self.classes[key] = _Class(list(candidates) * self.trials)
+        if c.plan:
+            return c.plan.pop(0), True
+        c.calls += 1
+        if c.calls >= self.revisit:
+            c.calls = 0
+            c.plan = list(candidates) * self.retrials
+            c.left = len(c.plan)
+            c.times = {}
+        return c.settled, False
+
+    def record(self, nbytes: int, candidates: tuple, what: str, path: str, seconds: float) -> None:
+        """This rank's time for a trial call."""
+        c = self.classes[(size_class(nbytes), candidates, what)]
+        c.times.setdefault(path, []).append(seconds / max(1, nbytes))
+        c.left -= 1
+
+    def due(self, nbytes: int, candidates: tuple, what: str = "") -> bool:
+        """True right after the last trial of a round: the ranks must agree on a verdict."""
+        c = self.classes.get((size_class(nbytes), candidates, what))
+        return c is not None and c.left == 0 and bool(c.times)
+
+    def verdict(self, nbytes: int, candidates: tuple, what: str = "") -> str:
+        """The path with the least median time per byte in this rank's trials (in the first
+        round the first trial of each is left out: first touches of memory). A settled
+        path stays unless another is faster by ``MARGIN``: trials on this VM are noisy,
+        and flapping between paths of about the same speed gains nothing."""
+        c = self.classes[(size_class(nbytes), candidates, what)]
+        first = c.settled is None
+
+        def typical(path: str) -> float:
+            xs = c.times.get(path) or [float("inf")]
+            return statistics.median(xs[1:] if first and len(xs) > 2 else xs)
+
+        best = min(candidates, key=typical)
+        if not first and typical(best) > (1 - MARGIN) * typical(c.settled):
+            return c.settled
+        return best
+
+    def settle(self, nbytes: int, candidates: tuple, what: str, path: str) -> None:
+        """Use ``path`` (rank 0's verdict) from now on."""
+        c = self.classes[(size_class(nbytes), candidates, what)]
+        c.settled, c.times, c.calls = path, {}, 0
+
+    def settled(self) -> dict:
+        """(size class, candidates, what) -> settled path (None while trying): for tests
+        and the benchmark, which print the choice."""
+        return {k: c.settled for k, c in self.classes.items()}
