@@ -563,7 +563,7 @@ def _():
     with_env(HVD_MAGIC_ALLREDUCE_CHUNK_MB="0.001", HVD_MAGIC_SHM_MIN_KB="1")
     hvd.init()
     be = state.engine().mpi_backend
-    sizes = (300, 700, 3000)                     # float32: 1.2 KB, 2.8 KB, 12 KB
+    sizes = (1100, 2100, 4100)                   # float32 over 4 KiB (never eager): 3 sizes
     calls = (len(be._candidates(4 * 3000)) * (tune.TRIALS + tune.RETRIALS) + 2) + 3
     be.tuner.revisit = 5                         # look again soon: the retrials run here too
     # Skew what each rank measures: rank 0 finds the first candidate fastest, the others the
