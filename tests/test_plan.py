@@ -442,7 +442,7 @@ def test_path_tuner_tries_each_way_then_keeps_the_verdict_and_looks_again():
     path, and after ``revisit`` calls tries every candidate again."""
     from hvd_magic.collectives.backends.tune import PathTuner
 
-    t = PathTuner(trials=2, retrials=1, revisit=3)
+    t = PathTuner(trials=2, retrials=1, revisit=6, first_revisit=3)
     cands = ("shm", "chunks", "one")
     mb = 1 << 20
     assert t.choose(mb, ("one",)) == ("one", False)              # nothing to choose
@@ -460,6 +460,12 @@ def test_path_tuner_tries_each_way_then_keeps_the_verdict_and_looks_again():
     # another size in the same power of two shares the class; another class starts afresh
     assert [t.choose(mb + 5, cands) for _ in range(2)] == [("one", False)] * 2
     assert t.choose(4 * mb, cands) == ("shm", True)
-    # the third settled call starts a shorter round of trials
+    # the third settled call starts a shorter round of trials; a settled path gives way only
+    # to one 10% faster; the next round comes after twice as many calls
     assert t.choose(mb, cands) == ("one", False)
-    assert [t.choose(mb, cands) for _ in range(3)] == [("shm", True), ("chunks", True), ("one", True)]
+    for path, us in (("shm", 0.95), ("chunks", 3.0), ("one", 1.0)):
+        assert t.choose(mb, cands) == (path, True)
+        t.record(mb, cands, "", path, us * 1e-4)
+    assert t.due(mb, cands) and t.verdict(mb, cands) == "one"
+    t.settle(mb, cands, "", "one")
+    assert [t.choose(mb, cands)[1] for _ in range(7)] == [False] * 6 + [True]

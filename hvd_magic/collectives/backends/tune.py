@@ -13,12 +13,14 @@ the same calls in the same order, so every rank asks for the same path at the sa
 Per size class (a power of two) it first tries each candidate ``TRIALS`` times in turn;
 then the caller broadcasts rank 0's verdict (the path with the least median time per byte
 among rank 0's own trials) and every rank settles on it. After ``REVISIT`` calls on the
-settled path it tries every candidate ``RETRIALS`` times again, since the machine's state
-may have changed; the settled path gives way only to one ``MARGIN`` faster. Example,
+settled path (25 the first time, then twice as many each time up to 400: a verdict from a
+noisy moment is soon looked at again) it tries every candidate ``RETRIALS`` times again,
+since the machine's state may have changed; the settled path gives way only to one
+``MARGIN`` faster. Example,
 candidates (shm, chunks, one), TRIALS 2::
 
     calls 0-5: shm chunks one shm chunks one   (measured)     after call 5: verdict due
-    calls 6..: the verdict, e.g. shm, for REVISIT calls, then a shorter round of trials
+    calls 6..: the verdict, e.g. shm, for FIRST_REVISIT calls, then a shorter round of trials
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ from typing import Optional
 
 TRIALS = 5          # calls per candidate when a size class is first seen
 RETRIALS = 4        # calls per candidate when a settled class is looked at again
-REVISIT = 400       # calls on the settled path before looking again
+REVISIT = 400       # calls on the settled path before looking again (FIRST_REVISIT the
+FIRST_REVISIT = 25  # first time, then twice as many each time up to REVISIT)
 MARGIN = 0.1        # a settled path gives way only to one this much faster
 
 
@@ -41,12 +44,13 @@ def size_class(nbytes: int) -> int:
 
 
 class _Class:
-    __slots__ = ("plan", "left", "calls", "times", "settled")
+    __slots__ = ("plan", "left", "calls", "every", "times", "settled")
 
-    def __init__(self, plan: list) -> None:
+    def __init__(self, plan: list, every: int) -> None:
         self.plan = plan          # paths still to try, in order
         self.left = len(plan)     # trials of this round not yet measured
-        self.calls = 0            # calls on the settled path since it was settled
+        self.calls = 0
+        self.every = every        # settled calls before the next round of trials            # calls on the settled path since it was settled
         self.times: dict = {}     # path -> seconds per byte measured in this round of trials
         self.settled: Optional[str] = None
 
@@ -54,8 +58,10 @@ class _Class:
 class PathTuner:
     """Per size class and set of candidate paths: trials, a verdict, the settled path."""
 
-    def __init__(self, trials: int = TRIALS, retrials: int = RETRIALS, revisit: int = REVISIT) -> None:
+    def __init__(self, trials: int = TRIALS, retrials: int = RETRIALS, revisit: int = REVISIT,
+                 first_revisit: int = FIRST_REVISIT) -> None:
         self.trials, self.retrials, self.revisit = trials, retrials, revisit
+        self.first_revisit = min(first_revisit, revisit)
         self.classes: dict = {}
 
     def choose(self, nbytes: int, candidates: tuple, what: str = "") -> tuple:
@@ -68,12 +74,13 @@ class PathTuner:
         key = (size_class(nbytes), candidates, what)
         c = self.classes.get(key)
         if c is None:
-            c = self.classes[key] = _Class(list(candidates) * self.trials)
+            c = self.classes[key] = _Class(list(candidates) * self.trials, self.first_revisit)
         if c.plan:
             return c.plan.pop(0), True
         c.calls += 1
-        if c.calls >= self.revisit:
+        if c.calls >= c.every:
             c.calls = 0
+            c.every = min(2 * c.every, self.revisit)
             c.plan = list(candidates) * self.retrials
             c.left = len(c.plan)
             c.times = {}
