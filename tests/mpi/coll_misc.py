@@ -531,6 +531,9 @@ def chunked_allreduces(shm: bool):
                  if e["pid"] == 0]
         for i in (1, 3, 5):
             check([f"mix{i}"] in calls, f"mix{i} not alone in one call: {calls}")
+        # the timeline says which way the data went
+        ways = {e["args"].get("path") for e in xevents(load_timeline(path), "MPI_ALLREDUCE")}
+        check(ways == ({"shm"} if shm and n > 1 else {"chunks", "one"}), f"paths on the timeline: {ways}")
     if seg is not None:
         # every allreduce above went through the segment; nothing of it is left in /dev/shm
         check(seg.calls >= (3 if EAGER else 12), f"shared-memory allreduces: {seg.calls}")

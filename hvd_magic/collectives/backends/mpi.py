@@ -181,7 +181,7 @@ class MPIBackend:
             target = req.inplace_target()
             t0 = now_us() if tl else 0.0
             if target is not None and src is target and ann0.prescale == 1.0:
-                self._chunked_allreduce(target, mop, op, ann0.postscale, n_contrib)
+                path = self._chunked_allreduce(target, mop, op, ann0.postscale, n_contrib)
                 res = target
             else:
                 # Out of place, the reduction runs in this backend's persistent buffer and
@@ -207,15 +207,15 @@ class MPIBackend:
                     if poolable and shm:
                         self.results.keep(base)
                     work = base.reshape(src.shape)
-                    del base
                 pre = ann0.prescale
                 if red.kind == "f" and op == ReduceOp.AVERAGE and not shm:
                     # 1/n while copying in; the sum of scaled inputs needs no pass after
                     # (through shared memory each rank averages only its own part instead)
-                    self._chunked_allreduce(work, mop, ReduceOp.SUM, ann0.postscale,
-                                            n_contrib, src, pre / n_contrib, pick)
+                    path = self._chunked_allreduce(work, mop, ReduceOp.SUM, ann0.postscale,
+                                                   n_contrib, src, pre / n_contrib, pick)
                 else:
-                    self._chunked_allreduce(work, mop, op, ann0.postscale, n_contrib, src, pre, pick)
+                    path = self._chunked_allreduce(work, mop, op, ann0.postscale, n_contrib, src,
+                                                   pre, pick)
                 if not persistent:
                     res = work
                 elif poolable:
@@ -227,7 +227,7 @@ class MPIBackend:
                     res = work.copy()
             if tl:
                 self.tl.add(ann.name, f"{self.prefix}_ALLREDUCE", t0, now_us() - t0,
-                            {"bytes": res.nbytes, "tensors": names})
+                            {"bytes": res.nbytes, "tensors": names, "path": path})
             req.set_array(res, dtype)
             return
         sizes = [math.prod(a.shape) for _, a in entries]
@@ -257,7 +257,7 @@ class MPIBackend:
                     dst[...] = src
             off += n
         t1 = now_us() if tl else 0.0
-        self._chunked_allreduce(buf, mop, op, ann0.postscale, n_contrib)
+        path = self._chunked_allreduce(buf, mop, op, ann0.postscale, n_contrib)
         t2 = now_us() if tl else 0.0
         off = 0
         fresh = None
@@ -283,7 +283,7 @@ class MPIBackend:
             off += n
         if tl:
             t3 = now_us()
-            args = {"bytes": int(buf.nbytes), "tensors": names}
+            args = {"bytes": int(buf.nbytes), "tensors": names, "path": path}
             for _, ann in entries:
                 self.tl.add(ann.name, MEMCPY_IN, t0, t1 - t0)
                 self.tl.add(ann.name, f"{self.prefix}_ALLREDUCE", t1, t2 - t1, args)
@@ -291,7 +291,7 @@ class MPIBackend:
 
     def _chunked_allreduce(self, work: np.ndarray, mop: MPI.Op, op: ReduceOp, postscale: float,
                            n_contrib: int, src: Optional[np.ndarray] = None, pre: float = 1.0,
-                           pick: Optional[tuple] = None) -> None:
+                           pick: Optional[tuple] = None) -> str:
         """``work`` (contiguous) := allreduce of ``src * pre`` (or of ``work`` itself when
         ``src`` is None), averaged and post-scaled, the data moved the way ``pick`` says
         (:meth:`_pick`, made here when None): through the shared-memory segment, or in MPI
@@ -302,7 +302,8 @@ class MPIBackend:
         of the whole size and falls out of the caches. Same 2-rank job, interleaved (the
         2-core VM): in place 16 MiB 3.3-3.9 ms as one call, 1.7-2.6 ms as 1 MiB calls;
         64 MiB 28-30 ms against 7.8-8.1 ms; at 3 ranks on 2 cores 16 MiB 11.1 -> 6.6 ms.
-        In some launches of this VM one call is faster still (``tune.py``).
+        In some launches of this VM one call is faster still (``tune.py``). Returns the
+        way taken (the timeline shows it).
         """
         path, cands, what, trial = pick if pick is not None else self._pick(work.nbytes)
         t0 = time.perf_counter() if trial else 0.0
@@ -322,7 +323,7 @@ class MPIBackend:
                     else:
                         np.copyto(part, s[lo:hi], casting="unsafe")
                 self.comm.Allreduce(MPI.IN_PLACE, part, op=mop)
-                self._finish(part, op, postscale, n_contrib)
+                self._finish_into(part, part, op, postscale, n_contrib)
         if trial:
             nbytes, tuner = work.nbytes, self.tuner
             tuner.record(nbytes, cands, what, path, time.perf_counter() - t0)
@@ -330,6 +331,7 @@ class MPIBackend:
                 # every rank is at this same call: take rank 0's verdict
                 best = tuner.verdict(nbytes, cands, what) if self.rank == 0 else None
                 tuner.settle(nbytes, cands, what, self.comm.bcast(best, root=0))
+        return path
 
     def reduce_eager(self, req: Any, resp: Any, n_contrib: int) -> None:
         """Reduce inputs that every rank sent with the negotiation, in rank order (so every
@@ -354,7 +356,7 @@ class MPIBackend:
             ufunc(arrs[0], arrs[1], out=acc, casting="unsafe")
             for a in arrs[2:]:
                 ufunc(acc, a, out=acc, casting="unsafe")
-        self._finish(acc, op, ann.postscale, n_contrib)
+        self._finish_into(acc, acc, op, ann.postscale, n_contrib)
         if half:
             out = np.empty(acc.size, dtype=carried)
             ops.downcast_into(out, acc, dtype)
@@ -366,7 +368,8 @@ class MPIBackend:
     @staticmethod
     def _finish_into(dst: np.ndarray, res: np.ndarray, op: ReduceOp, postscale: float,
                      n_contrib: int) -> None:
-        """``dst`` := ``res`` averaged and post-scaled (one pass; a copy when nothing to do)."""
+        """``dst`` := ``res`` averaged (floor division for integers) and post-scaled, in one
+        pass; ``dst`` may be ``res`` (in place: nothing is done when there is nothing to do)."""
         if res.dtype.kind == "f":
             factor = post_factor(op, postscale, n_contrib)
             if factor != 1.0:
@@ -380,20 +383,8 @@ class MPIBackend:
         elif postscale != 1.0:
             np.copyto(dst, res * postscale, casting="unsafe")
             return
-        dst[...] = res
-
-    @staticmethod
-    def _finish(buf: np.ndarray, op: ReduceOp, postscale: float, n_contrib: int) -> None:
-        """Average (floor division for integers) and postscale, in place, in one pass."""
-        if buf.dtype.kind == "f":
-            factor = post_factor(op, postscale, n_contrib)
-            if factor != 1.0:
-                buf *= buf.dtype.type(factor)
-            return
-        if op == ReduceOp.AVERAGE and n_contrib != 1 and buf.dtype.kind != "b":
-            buf //= n_contrib
-        if postscale != 1.0:
-            np.copyto(buf, buf * postscale, casting="unsafe")
+        if dst is not res:
+            dst[...] = res
 
     # -------------------------------------------------------------- allgather
     def allgather(self, req: Optional[Any], anns: dict, n_ranks: int) -> None:
@@ -465,7 +456,7 @@ class MPIBackend:
         self.comm.Reduce_scatter(src, recv, recvcounts=counts, op=mpi_op(op, dtype))
         if self.tl.active:
             self.tl.add(ann0.name, f"{self.prefix}_REDUCESCATTER", t0, now_us() - t0, {"bytes": int(src.nbytes)})
-        self._finish(recv, op, ann0.postscale, self.size)
+        self._finish_into(recv, recv, op, ann0.postscale, self.size)
         if dtype in ops.HALF:
             out = np.empty(recv.size, dtype=ops.np_dtype(dtype))
             ops.downcast_into(out, recv, dtype)
