@@ -163,6 +163,16 @@ def split_noname(name: str) -> Optional[tuple]:
     return head + ".noname", int(num), dot + rest
 
 
+def table_entry(a: Ann) -> tuple:
+    """``(entry, parts)``: what a full announcement enters a table as (the encoder's and
+    every decoder's one rule), and ``split_noname`` of its name. An unnamed call enters
+    without its number, so the next call of that kind and shape finds it."""
+    nn = split_noname(a[0]) if ".noname." in a[0] else None
+    if nn is None:
+        return a, None
+    return _tuple_new(Ann, (nn[0],) + a[1:]), nn
+
+
 class AnnCodec:
     """Announcements as small table indices once a rank has announced them before.
 
@@ -208,21 +218,17 @@ class AnnCodec:
             if i is not None:
                 out.append(i)
                 continue
-            nn = split_noname(a[0]) if ".noname." in a[0] else None
+            entry, nn = table_entry(a)
             if nn is not None:
                 head, num, rest = nn
-                key = _tuple_new(Ann, (head,) + a[1:])
-                i = mine.get(key)
+                i = mine.get(entry)
                 prev = self.mine_last.get(head)
                 self.mine_last[head] = num
                 if i is not None and prev is not None:
                     out.append((i, num - prev, rest))
                     continue
-                a_key = key
-            else:
-                a_key = a
             if len(mine) < self.cap:
-                mine[a_key] = len(mine)
+                mine[entry] = len(mine)
             out.append(tuple(a))
         return tuple(out)
 
@@ -247,16 +253,14 @@ class AnnCodec:
                 out.append(_tuple_new(Ann, (f"{head}.{num}{x[2]}",) + key[1:]))
                 continue
             a = Ann._make(x)
-            nn = split_noname(a[0]) if ".noname." in a[0] else None
+            entry, nn = table_entry(a)
             if nn is not None:
                 head, num, _ = nn
                 last = self.last[rank]
                 self.moved[(rank, head)] = self.moved.get((rank, head), 0) + num - last.get(head, num)
                 last[head] = num
-                if len(table) < self.cap:
-                    table.append(_tuple_new(Ann, (head,) + a[1:]))
-            elif len(table) < self.cap:
-                table.append(a)
+            if len(table) < self.cap:
+                table.append(entry)
             out.append(a)
         if len(table) >= self.cap > 0:
             # full: start again (this rank's encoder too, when the table is its own)
