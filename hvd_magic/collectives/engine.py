@@ -489,7 +489,9 @@ class Engine:
                     # unnamed calls: this cycle's numbers, as this rank sent them
                     sent = self._sent
                     for resp, i in zip(hit[0], hit[3]):
-                        resp.name = sent[i]
+                        resp.name = name = sent[i]
+                        if resp.kind != "allreduce":    # (their backends label from these)
+                            resp.anns = {r: a._replace(name=name) for r, a in resp.anns.items()}
                 self._in_cycle_since = 0.0
                 return None, key, hit
         else:

@@ -178,6 +178,9 @@ def _():
         y = hvd.allreduce(np.full(300, float(r * step)))
         hs = [hvd.allreduce_async(np.full(k, float(r + k + step)), op=hvd.Sum) for k in (2, 3)]
         g = hvd.grouped_allreduce([np.full(4, float(r + step)), np.full(6, float(step))], op=hvd.Max)
+        rows = hvd.allgather(np.full((r + 1, 2), float(step)))
+        check(np.array_equal(rows, np.concatenate([np.full((q + 1, 2), float(step)) for q in range(n)])),
+              f"unnamed step {step} allgather")
         check(np.allclose(x, sum(q + step for q in range(n))), f"unnamed step {step} in place")
         check(np.allclose(y, step * (n - 1) / 2), f"unnamed step {step} Average")
         for h, k in zip(hs, (2, 3)):
