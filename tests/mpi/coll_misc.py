@@ -557,6 +557,21 @@ def _():
     chunked_allreduces(shm=True)
 
 
+@section("no shared-memory segment to be had")
+def _():
+    # Rank 0 cannot create the segment (here: its directory does not exist; a full /dev/shm
+    # fails the same way, at posix_fallocate): every rank goes on with MPI calls.
+    from hvd_magic.collectives import state
+    hvd.shutdown()
+    with_env(HVD_MAGIC_SHM_DIR=os.path.join(TMP, "no", "such", "dir"), HVD_MAGIC_ALLREDUCE_PATH="shm")
+    hvd.init()
+    check(state.engine().mpi_backend.shm is None, "a segment where none can be made")
+    got = hvd.allreduce(np.full(1 << 17, float(r)), name="noshm")
+    check(np.allclose(got, (n - 1) / 2), f"allreduce without a segment: {got[:2]}")
+    hvd.shutdown()
+    with_env(HVD_MAGIC_SHM_DIR=None, HVD_MAGIC_ALLREDUCE_PATH=None)
+
+
 @section("the data path chosen by measuring")
 def _():
     # HVD_MAGIC_ALLREDUCE_PATH=auto (the default): per size class each candidate way (shared

@@ -76,7 +76,9 @@ def chunk_plan(n_elems: int, itemsize: int, slot: int) -> list:
 
 
 def _segment_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    """``HVD_MAGIC_SHM_DIR`` (rank 0's), else ``/dev/shm``, else the temporary directory."""
+    return (os.environ.get("HVD_MAGIC_SHM_DIR")
+            or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()))
 
 
 class ShmAllreduce:
@@ -137,7 +139,14 @@ class ShmAllreduce:
                 path = os.path.join(_segment_dir(), f"hvd_magic-{os.getpid()}-{secrets.token_hex(4)}")
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
                 os.ftruncate(fd, total)
+                # reserve the memory now: a full /dev/shm is then an error here (and MPI
+                # calls carry the data) instead of a SIGBUS at the first touch
+                os.posix_fallocate(fd, 0, total)
             except OSError:
+                if fd >= 0:
+                    os.close(fd)
+                    fd = -1
+                    os.unlink(path)
                 path = None
         path = comm.bcast(path, root=0)
         mm = None
