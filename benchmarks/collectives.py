@@ -45,6 +45,7 @@ from mpi4py import MPI
 
 import hvd_magic.collectives as hvd
 from hvd_magic.collectives import state as hvd_state
+from hvd_magic.collectives.backends.tune import size_class
 
 KiB, MiB = 1024, 1024 * 1024
 SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB]
@@ -184,7 +185,7 @@ class Bench:
                    "hvd_sum_mpi": float("nan")}
             med.update({k: statistics.median(v) for k, v in s.items()})
             chosen = {what or "in place": p for (c, cands, what), p in backend.tuner.settled().items()
-                      if c == nbytes.bit_length() - 1 and "shm" in cands and p}
+                      if c == size_class(nbytes) and "shm" in cands and p}
             chosen = [f"{p} ({w})" for w, p in sorted(chosen.items())]
             rows.append({"bytes": nbytes, "n": len(s["raw"]), "path": ", ".join(chosen) or "-",
                          **{f"{k}_s": v for k, v in med.items()}})

@@ -50,6 +50,8 @@ def _dtypes(name: str) -> tuple:
     return pair
 
 
+_ONE = ("one",)
+
 #: Out-of-place allreduces up to this size run in the persistent buffer (kept per dtype).
 _PERSIST_MAX = 64 * 1024 * 1024
 
@@ -156,6 +158,8 @@ class MPIBackend:
     def _pick(self, nbytes: int, what: str = "") -> tuple:
         """(path, candidates, what, trial) for the next allreduce of ``nbytes``: the same on
         every rank, since every rank makes the same calls in the same order."""
+        if (self.shm is None or nbytes < self.shm_min) and not 0 < self.chunk < nbytes:
+            return "one", _ONE, what, False       # small: no choice (every small allreduce)
         cands = self._candidates(nbytes)
         path, trial = self.tuner.choose(nbytes, cands, what)
         return path, cands, what, trial
