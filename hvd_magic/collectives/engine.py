@@ -120,7 +120,7 @@ class Engine:
         self.neg = Negotiator(self.size)
         self.codec = AnnCodec(self.size, self.rank, cap=config.cache_capacity)
         self._codec_resets = 0
-        self._sent: list = []        # names of the requests in this rank's latest message
+        self._sent: list = []        # the Anns of this rank's latest message
         self.cycle_cache = CycleCache(cap=min(256, config.cache_capacity))
         # The engine thread sleeps on ``_bell`` (a lock used as a doorbell: released = rung).
         # Plain locks are C-level and release the GIL while blocked, keeping hand-offs cheap.
@@ -355,8 +355,8 @@ class Engine:
                     if src.nbytes <= self._eager_max and src.nbytes <= budget:
                         budget -= src.nbytes
                         payloads.append((i, src.tobytes()))
-        self._sent = [r.ann.name for r in new]
-        return RankMsg(self.codec.encode([r.ann for r in new]), tuple(cancels), join, shut,
+        self._sent = anns = [r.ann for r in new]
+        return RankMsg(self.codec.encode(anns), tuple(cancels), join, shut,
                        self.tl.take(), tuple(payloads))
 
     def _heartbeat_s(self) -> Optional[float]:
@@ -489,7 +489,7 @@ class Engine:
                     # unnamed calls: this cycle's numbers, as this rank sent them
                     sent = self._sent
                     for resp, i in zip(hit[0], hit[3]):
-                        resp.name = name = sent[i]
+                        resp.name = name = sent[i][0]
                         if resp.kind != "allreduce":    # (their backends label from these)
                             resp.anns = {r: a._replace(name=name) for r, a in resp.anns.items()}
                 self._in_cycle_since = 0.0
