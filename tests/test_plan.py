@@ -469,3 +469,19 @@ def test_path_tuner_tries_each_way_then_keeps_the_verdict_and_looks_again():
     assert t.due(mb, cands) and t.verdict(mb, cands) == "one"
     t.settle(mb, cands, "", "one")
     assert [t.choose(mb, cands)[1] for _ in range(7)] == [False] * 6 + [True]
+
+
+def test_scaled_calls_are_told_apart():
+    """After an MPI sum, Average (1/n), a postscale or an integer Average is one more pass
+    over the result; the shared-memory path does it while copying out. Such calls get a
+    size class of their own, with or without a pass, whatever the dtype."""
+    from hvd_magic.collectives.backends.mpi import MPIBackend
+    from hvd_magic.collectives.ops import Average, Max, Sum
+
+    scaled = MPIBackend._scaled
+    assert not scaled(Sum, 1.0, 2, "f") and not scaled(Max, 1.0, 3, "i")
+    assert scaled(Average, 1.0, 2, "f") and scaled(Sum, 0.5, 2, "f")
+    assert not scaled(Average, 1.0, 1, "f")              # one contributor: 1/1
+    assert not scaled(Average, 2.0, 2, "f")              # 1/2 times 2
+    assert scaled(Average, 1.0, 2, "i") and scaled(Sum, 3.0, 2, "u")
+    assert not scaled(Average, 1.0, 2, "b")              # bool Average is a logical or

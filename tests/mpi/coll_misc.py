@@ -603,7 +603,13 @@ def _():
             check(np.array_equal(x, np.full(k, float(sum(q + i for q in range(n))))), f"auto {k} call {i}")
         g = hvd.allreduce(np.full(2000, float(r * i)), name="auto.avg")
         check(np.allclose(g, i * (n - 1) / 2), f"auto Average call {i}")
+        # in place Average: the MPI paths scale the result in a pass of their own, so these
+        # calls are timed apart from the Sums of the same size
+        a = np.full(1100, float(r * i), dtype=np.float32)
+        hvd.allreduce_(a, name="auto.avg_")
+        check(np.allclose(a, i * (n - 1) / 2), f"auto Average in place call {i}")
     settled = be.tuner.settled()
+    check(any(what == "scaled" for (_, _, what) in settled), f"no class for scaled calls: {settled}")
     check(len(settled) >= 3 and all(p == cands[0] for (_, cands, _), p in settled.items()),
           f"not settled on rank 0's verdicts: {settled}")
     every = hvd.allgather_object(sorted(settled.items()))
