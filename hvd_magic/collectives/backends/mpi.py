@@ -155,6 +155,10 @@ class MPIBackend:
             return ("chunks",) if chunks else ("one",)
         return ("shm",) * shm + ("chunks",) * chunks + ("one",)
 
+    def _small(self, nbytes: int) -> bool:
+        """Whether an allreduce of ``nbytes`` has one way only: one MPI call."""
+        return (self.shm is None or nbytes < self.shm_min) and not 0 < self.chunk < nbytes
+
     def _pick(self, nbytes: int, what: str, op: ReduceOp, postscale: float, n_contrib: int,
               kind: str) -> tuple:
         """(path, candidates, what, trial) for the next allreduce of ``nbytes``: the same on
@@ -163,7 +167,7 @@ class MPIBackend:
         result after the sum (see :meth:`_scaled`) and the segment does not, so the tuner
         keeps those calls apart (16 MiB Average in place, one run: 1 MiB MPI calls 3.16 ms
         against 2.42 for Sum, shared memory 2.53 for both)."""
-        if (self.shm is None or nbytes < self.shm_min) and not 0 < self.chunk < nbytes:
+        if self._small(nbytes):
             return "one", _ONE, what, False       # small: no choice (every small allreduce)
         if self._scaled(op, postscale, n_contrib, kind):
             what = f"{what}, scaled" if what else "scaled"
@@ -194,6 +198,20 @@ class MPIBackend:
             if target is not None and src is target and ann0.prescale == 1.0:
                 path = self._chunked_allreduce(target, mop, op, ann0.postscale, n_contrib)
                 res = target
+            elif target is None and self._small(src.nbytes):
+                # a small result: a fresh array, scaled while copied in, reduced in place (no
+                # persistent buffer and no copy out; 4 KiB Average: 3 us less a call)
+                res = np.empty(src.shape, dtype=red)
+                pre = ann0.prescale
+                if red.kind == "f" and op == ReduceOp.AVERAGE:
+                    pre, op = pre / n_contrib, ReduceOp.SUM
+                if pre != 1.0:
+                    np.multiply(src, pre, out=res, casting="unsafe")
+                else:
+                    np.copyto(res, src, casting="unsafe")
+                self.comm.Allreduce(MPI.IN_PLACE, res, op=mop)
+                self._finish_into(res, res, op, ann0.postscale, n_contrib)
+                path = "one"
             else:
                 # Out of place, the reduction runs in this backend's persistent buffer and
                 # the result is copied out: MPI given fresh memory every call is 5x slower
