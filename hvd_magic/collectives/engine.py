@@ -581,10 +581,13 @@ class Engine:
 
     def _reduce(self, responses: list, decided: float) -> None:
         """One allreduce call for ``responses`` (a fusion bucket, or a single request)."""
-        entries = []
-        for resp in responses:
-            req = self._take(resp.name)
-            entries.append((req, req.ann if req is not None else resp.first))
+        if self._cancelled:
+            reqs = [self._take(resp.name) for resp in responses]
+        else:       # (the usual case: the dict lookups alone, ~0.3 us a request less)
+            pop = self._inflight.pop
+            reqs = [pop(resp.name, None) for resp in responses]
+        entries = [(req, req.ann if req is not None else resp.first)
+                   for req, resp in zip(reqs, responses)]
         if self.tl.active:
             self._queue_events(entries, decided)
         try:
@@ -593,7 +596,7 @@ class Engine:
         except Exception as exc:  # noqa: BLE001
             names = ", ".join(r.name for r in responses)
             err = HvdError(f"allreduce of {names} failed on rank {self.rank}: {exc!r}")
-        for req, _ in entries:
+        for req in reqs:
             if req is not None:
                 req.handle._set(req.handle._result, err)
 
