@@ -198,10 +198,16 @@ class MPIBackend:
         if len(entries) == 1 and entries[0][0] is not None and dtype not in ops.HALF:
             req, ann = entries[0]
             src = req.src()
-            target = req.inplace_target()
+            target = src if req.out is src else req.inplace_target()   # (numpy in place)
             t0 = now_us() if tl else 0.0
             if target is not None and src is target and ann0.prescale == 1.0:
-                path = self._chunked_allreduce(target, mop, op, ann0.postscale, n_contrib)
+                if self._small(src.nbytes):    # one MPI call, nothing to choose or chunk
+                    self.comm.Allreduce(MPI.IN_PLACE, target, op=mop)
+                    if op == ReduceOp.AVERAGE or ann0.postscale != 1.0:
+                        self._finish_into(target, target, op, ann0.postscale, n_contrib)
+                    path = "one"
+                else:
+                    path = self._chunked_allreduce(target, mop, op, ann0.postscale, n_contrib)
                 res = target
             elif target is None and self._small(src.nbytes):
                 # a small result: a fresh array, scaled while copied in, reduced in place (no
@@ -354,7 +360,8 @@ class MPIBackend:
         if path == "shm":
             self.shm.allreduce(work, work if src is None else src,
                                _UFUNCS[(op, work.dtype.kind == "b")],
-                               lambda dst, res: self._finish_into(dst, res, op, postscale, n_contrib),
+                               (lambda dst, res: self._finish_into(dst, res, op, postscale, n_contrib))
+                               if op == ReduceOp.AVERAGE or postscale != 1.0 else None,
                                pre)
         else:
             flat = work.reshape(-1)

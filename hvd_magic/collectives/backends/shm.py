@@ -81,6 +81,10 @@ def _segment_dir() -> str:
             or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()))
 
 
+def _copy_into(dst: np.ndarray, res: np.ndarray) -> None:
+    dst[...] = res
+
+
 class ShmAllreduce:
     """A segment of ``n`` slots and one result region of ``slot`` bytes each."""
 
@@ -173,16 +177,20 @@ class ShmAllreduce:
         return cls(comm, mm, slot, path)
 
     def allreduce(self, work: np.ndarray, src: np.ndarray, ufunc: Callable,
-                  finish_into: Callable[[np.ndarray, np.ndarray], None], pre: float = 1.0) -> None:
+                  finish_into: Optional[Callable[[np.ndarray, np.ndarray], None]],
+                  pre: float = 1.0) -> None:
         """``work`` := ``finish_into``(reduction by ``ufunc`` of every rank's ``src * pre``).
 
         ``work`` and ``src`` are contiguous and of one dtype; ``src`` may be ``work`` (in
         place). ``finish_into(dst, res)`` writes ``res`` averaged and post-scaled to ``dst``
-        (a copy when there is nothing to do): the finishing rides on the copy out, so an
-        Average costs no pass of its own."""
+        (None: a plain copy): the finishing rides on the copy out, so an Average costs no
+        pass of its own."""
         w = work.reshape(-1)
         s = src.reshape(-1)
-        chunks = chunk_plan(w.size, w.dtype.itemsize, self.slot)
+        if finish_into is None:
+            finish_into = _copy_into
+        chunks = (((0, w.size),) if w.nbytes <= self.slot
+                  else chunk_plan(w.size, w.dtype.itemsize, self.slot))
         layout = self._layout
         barrier = self.comm.Barrier
         prev = None
@@ -205,8 +213,8 @@ class ShmAllreduce:
                 if pre != 1.0:
                     np.multiply(acc, pre, out=out, casting="unsafe")
                     acc = out
-                for other in others:
-                    ufunc(acc, other, out=out, casting="unsafe")
+                for other in others:       # (one dtype throughout: no casting rule needed)
+                    ufunc(acc, other, out=out)
                     acc = out
             prev = (lo, hi, lay)
         barrier()
