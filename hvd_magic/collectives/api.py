@@ -35,9 +35,11 @@ def _name(kind: str, name: Optional[str]) -> str:
         if not isinstance(name, str) or not name:
             raise TypeError(f"name must be a non-empty string, got {name!r}")
         return name
-    with _counter_lock:
-        c = _counters.setdefault(kind, itertools.count())
-        return f"{kind}.noname.{next(c)}"
+    c = _counters.get(kind)
+    if c is None:
+        with _counter_lock:
+            c = _counters.setdefault(kind, itertools.count())
+    return f"{kind}.noname.{next(c)}"     # (next() on a count is atomic: no lock needed)
 
 
 _NP_NAMES = ops._NP_NAMES

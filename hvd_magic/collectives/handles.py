@@ -112,7 +112,10 @@ class LocalReq:
     def set_array(self, arr: Any, dtype: str, rows: Any = None) -> None:
         """Store the result (numpy carrying ``dtype``, or a torch tensor) in the user's type."""
         self.handle.extra = rows
-        if self.out is not None:
+        if arr is self.out or (self.out is None and type(self.tensor) is np.ndarray
+                               and type(arr) is np.ndarray):
+            self.handle._result = arr      # (reduced in place, or numpy in and out: as it is)
+        elif self.out is not None:
             if ops.is_torch(self.out):
                 torch = sys.modules["torch"]
                 if isinstance(arr, np.ndarray) and self._src is not None and arr is self._src:

@@ -214,12 +214,14 @@ class AnnCodec:
         """Plain data for the wire: an index for each Ann sent before, the fields otherwise."""
         mine, out = self.mine, []
         for a in anns:
-            i = mine.get(a)
-            if i is not None:
-                out.append(i)
-                continue
-            entry, nn = table_entry(a)
-            if nn is not None:
+            # (an unnamed call's Ann, new every time, is never in the table: not looked up)
+            entry, nn = table_entry(a) if ".noname." in a[0] else (a, None)
+            if nn is None:
+                i = mine.get(a)
+                if i is not None:
+                    out.append(i)
+                    continue
+            else:
                 head, num, rest = nn
                 i = mine.get(entry)
                 prev = self.mine_last.get(head)

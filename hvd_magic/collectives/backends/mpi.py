@@ -221,7 +221,8 @@ class MPIBackend:
                 else:
                     np.copyto(res, src, casting="unsafe")
                 self.comm.Allreduce(MPI.IN_PLACE, res, op=mop)
-                self._finish_into(res, res, op, ann0.postscale, n_contrib)
+                if op == ReduceOp.AVERAGE or ann0.postscale != 1.0:
+                    self._finish_into(res, res, op, ann0.postscale, n_contrib)
                 path = "one"
             else:
                 # Out of place, the reduction runs in this backend's persistent buffer and
