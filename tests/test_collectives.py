@@ -112,3 +112,26 @@ def test_init_keeps_freed_memory_for_reuse(np_):
 
     tuned, default = faults(), faults({"HVD_MAGIC_MALLOC_TUNE": "0"})
     assert max(tuned) < 5, (tuned, default)
+
+
+def test_ctrl_c_during_an_inline_cycle_is_held_until_the_cycle_ends():
+    """A waiting main thread runs negotiation cycles itself; a Ctrl-C in the middle of one
+    must not leave it half done. It is held back and raised as soon as the cycle ends."""
+    import signal
+
+    from hvd_magic.collectives import engine
+
+    old = signal.getsignal(signal.SIGINT)
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        held = engine._defer_sigint()
+        assert held is signal.default_int_handler
+        signal.raise_signal(signal.SIGINT)            # no KeyboardInterrupt here
+        assert signal.getsignal(signal.SIGINT) is engine._hold
+        with pytest.raises(KeyboardInterrupt):
+            engine._restore_sigint(held)               # raised now
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        engine._restore_sigint(engine._defer_sigint())  # none came in: nothing raised
+        assert not engine._HELD
+    finally:
+        signal.signal(signal.SIGINT, old)
