@@ -158,6 +158,8 @@ class Engine:
         self._recv = np.zeros((self.size, self._slot), dtype=np.uint8)
         self._send_mv = memoryview(self._send)
         self._recv_mv = memoryview(self._recv.reshape(-1))
+        self._recv_lens = self._recv[:, :8].view("<u8")     # each rank's message length
+        self._sent_data = b""        # what the send buffer holds now (written again if not)
         self._heartbeat = self._heartbeat_s()
         self._next_tick = 0.0
         self._empty_streak = 0
@@ -406,7 +408,7 @@ class Engine:
                 while not req.Test():
                     if time.perf_counter() - t0 > INLINE_SPIN_S:
                         return           # the engine thread finishes it (Handle.wait rings)
-            if self._after_exchange(*self._finish_exchange()):
+            if self._after_exchange(*self._finish_exchange(done=True)):
                 self._inline_exc = _Stop()
         except BaseException as exc:  # noqa: BLE001 - the engine thread reports it and stops
             self._inline_exc = exc
@@ -456,25 +458,28 @@ class Engine:
     def _post_exchange(self, msg: RankMsg) -> None:
         """Start allgathering every rank's message (marshal-encoded plain tuples)."""
         data = marshal.dumps(tuple(msg))
-        n = len(data)
-        slot = self._slot
-        self._send_mv[:8] = n.to_bytes(8, "little")
-        if n <= slot - 8:
-            self._send_mv[8:8 + n] = data
+        if data != self._sent_data:      # (a loop sends the same bytes every step)
+            n = len(data)
+            self._send_mv[:8] = n.to_bytes(8, "little")
+            if n <= self._slot - 8:
+                self._send_mv[8:8 + n] = data
+            self._sent_data = data
         self._in_cycle_since = time.monotonic()
         # (the key and lookup of the cycle cache are skipped unless this message can be kept)
         self._px = (self.comm.Iallgather(self._send, self._recv), data, CycleCache.cacheable(msg))
 
-    def _finish_exchange(self) -> tuple:
-        """Complete the posted exchange: (every rank's message in rank order, the cycle's
-        cache key or None, the cached decisions of the same cycle or None). On a cache hit
-        nothing is decoded and the messages are None."""
+    def _finish_exchange(self, done: bool = False) -> tuple:
+        """Complete the posted exchange (``done``: its request is known to be complete):
+        (every rank's message in rank order, the cycle's cache key or None, the cached
+        decisions of the same cycle or None). On a cache hit nothing is decoded and the
+        messages are None."""
         req, data, cacheable = self._px
-        self._wait(req)
+        if not done:
+            self._wait(req)
         self._px = None
         slot = self._slot
         mv = self._recv_mv
-        lens = [int.from_bytes(mv[r * slot:r * slot + 8], "little") for r in range(self.size)]
+        lens = self._recv_lens.ravel().tolist()
         key = None
         if max(lens) > slot - 8:      # a second round for what did not fit (never cached)
             displs = np.cumsum([0] + lens[:-1]).tolist()
