@@ -82,7 +82,6 @@ def allreduce_async_(tensor: Any, name: Optional[str] = None, op: Any = Average,
 
 _OP_INT = {o: int(o) for o in ops.ReduceOp}
 _PLAIN_OPS = frozenset(o for o in ops.ReduceOp if o != ops.Adasum)
-_tuple_new = tuple.__new__
 
 
 def _allreduce_async(tensor, out, name, op, prescale, postscale, urgent=False) -> Handle:
@@ -94,9 +93,9 @@ def _allreduce_async(tensor, out, name, op, prescale, postscale, urgent=False) -
         dtype = _NP_NAMES.get(tensor.dtype)
         e = _st.engine
         if dtype is not None and dtype != "bool" and e is not None:
-            return e.submit(_tuple_new(Ann, (name if name is not None else _name("allreduce", None),
-                                             "allreduce", dtype, tensor.shape, _OP_INT[op], -1,
-                                             prescale, postscale, "cpu", None, False)),
+            return e.submit(allreduce_ann(name if name is not None else _name("allreduce", None),
+                                          dtype, tensor.shape, _OP_INT[op], prescale, postscale,
+                                          "cpu"),
                             tensor, out, urgent=urgent)
     dtype, shape, device = _check_tensor(tensor, "allreduce")
     op = ops.to_op(op)
