@@ -588,16 +588,17 @@ class Engine:
 
     def _reduce(self, responses: list, decided: float) -> None:
         """One allreduce call for ``responses`` (a fusion bucket, or a single request)."""
-        if self._cancelled:
-            reqs = [self._take(resp.name) for resp in responses]
-        elif len(responses) == 1:     # (a lone request: no comprehension frames)
-            reqs = [self._inflight.pop(responses[0].name, None)]
-        else:       # (the usual case: the dict lookups alone, ~0.3 us a request less)
-            pop = self._inflight.pop
-            reqs = [pop(resp.name, None) for resp in responses]
-        if len(reqs) == 1 and reqs[0] is not None:
-            entries = [(reqs[0], reqs[0].ann)]
+        if len(responses) == 1 and not self._cancelled:
+            # a lone request (most blocking calls): no comprehensions, ~0.6 us less
+            req = self._inflight.pop(responses[0].name, None)
+            reqs = [req]
+            entries = [(req, req.ann if req is not None else responses[0].first)]
         else:
+            if self._cancelled:
+                reqs = [self._take(resp.name) for resp in responses]
+            else:   # (the dict lookups alone, ~0.3 us a request less than _take)
+                pop = self._inflight.pop
+                reqs = [pop(resp.name, None) for resp in responses]
             entries = [(req, req.ann if req is not None else resp.first)
                        for req, resp in zip(reqs, responses)]
         if self.tl.active:

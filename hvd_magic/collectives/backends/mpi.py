@@ -197,77 +197,8 @@ class MPIBackend:
         names = [a.name for _, a in entries] if tl else []
         if len(entries) == 1 and entries[0][0] is not None and dtype not in ops.HALF:
             req, ann = entries[0]
-            src = req.src()
-            target = src if req.out is src else req.inplace_target()   # (numpy in place)
             t0 = now_us() if tl else 0.0
-            if target is not None and src is target and ann0.prescale == 1.0:
-                if self._small(src.nbytes):    # one MPI call, nothing to choose or chunk
-                    self.comm.Allreduce(MPI.IN_PLACE, target, op=mop)
-                    if op == ReduceOp.AVERAGE or ann0.postscale != 1.0:
-                        self._finish_into(target, target, op, ann0.postscale, n_contrib)
-                    path = "one"
-                else:
-                    path = self._chunked_allreduce(target, mop, op, ann0.postscale, n_contrib)
-                res = target
-            elif target is None and self._small(src.nbytes):
-                # a small result: a fresh array, scaled while copied in, reduced in place (no
-                # persistent buffer and no copy out; 4 KiB Average: 3 us less a call)
-                res = np.empty(src.shape, dtype=red)
-                pre = ann0.prescale
-                if red.kind == "f" and op == ReduceOp.AVERAGE:
-                    pre, op = pre / n_contrib, ReduceOp.SUM
-                if pre != 1.0:
-                    np.multiply(src, pre, out=res, casting="unsafe")
-                else:
-                    np.copyto(res, src, casting="unsafe")
-                self.comm.Allreduce(MPI.IN_PLACE, res, op=mop)
-                if op == ReduceOp.AVERAGE or ann0.postscale != 1.0:
-                    self._finish_into(res, res, op, ann0.postscale, n_contrib)
-                path = "one"
-            else:
-                # Out of place, the reduction runs in this backend's persistent buffer and
-                # the result is copied out: MPI given fresh memory every call is 5x slower
-                # here (1 MiB: 840 us against 170 us with the copies; Open MPI sets up each
-                # new buffer for shared-memory transfer).
-                # (MPI never sees the result's memory when shared memory carries the data)
-                pick = self._pick(src.nbytes, "out of place",
-                                  ReduceOp.SUM if red.kind == "f" and op == ReduceOp.AVERAGE else op,
-                                  ann0.postscale, n_contrib, red.kind)
-                shm = pick[0] == "shm"
-                persistent = target is None and not shm and src.nbytes <= _PERSIST_MAX
-                poolable = (target is None and src.nbytes >= ResultPool.MIN_BYTES
-                            and self.results.budget > 0)
-                pooled = self.results.free(red, src.size) if poolable else None
-                if target is not None:
-                    work = target
-                elif pooled is not None:      # reduce straight into a result the user let go
-                    work = pooled.reshape(src.shape)
-                    persistent = False
-                elif persistent:
-                    work = self._fusion_buffer(red, src.size).reshape(src.shape)
-                else:
-                    base = np.empty(src.size, dtype=red)
-                    if poolable and shm:
-                        self.results.keep(base)
-                    work = base.reshape(src.shape)
-                pre = ann0.prescale
-                if red.kind == "f" and op == ReduceOp.AVERAGE and not shm:
-                    # 1/n while copying in; the sum of scaled inputs needs no pass after
-                    # (through shared memory each rank averages only its own part instead)
-                    path = self._chunked_allreduce(work, mop, ReduceOp.SUM, ann0.postscale,
-                                                   n_contrib, src, pre / n_contrib, pick)
-                else:
-                    path = self._chunked_allreduce(work, mop, op, ann0.postscale, n_contrib, src,
-                                                   pre, pick)
-                if not persistent:
-                    res = work
-                elif poolable:
-                    base = np.empty(work.size, dtype=work.dtype)
-                    np.copyto(base, work.reshape(-1))
-                    self.results.keep(base)
-                    res = base.reshape(work.shape)
-                else:
-                    res = work.copy()
+            res, path = self._allreduce_one(req, ann0, op, red, mop, n_contrib)
             if tl:
                 self.tl.add(ann.name, f"{self.prefix}_ALLREDUCE", t0, now_us() - t0,
                             {"bytes": res.nbytes, "tensors": names, "path": path})
@@ -337,6 +268,69 @@ class MPIBackend:
                 self.tl.add(ann.name, MEMCPY_IN, t0, t1 - t0)
                 self.tl.add(ann.name, f"{self.prefix}_ALLREDUCE", t1, t2 - t1, args)
                 self.tl.add(ann.name, MEMCPY_OUT, t2, t3 - t2)
+
+    def _allreduce_one(self, req: Any, ann0: Any, op: ReduceOp, red: np.dtype, mop: MPI.Op,
+                       n_contrib: int) -> tuple:
+        """(result, way taken) of one request's allreduce, not fused (not half precision)."""
+        src = req.src()
+        target = src if req.out is src else req.inplace_target()   # (numpy in place)
+        post = ann0.postscale
+        if target is not None and src is target and ann0.prescale == 1.0:
+            if not self._small(src.nbytes):
+                return target, self._chunked_allreduce(target, mop, op, post, n_contrib)
+            self.comm.Allreduce(MPI.IN_PLACE, target, op=mop)   # one MPI call, nothing to choose
+            if op == ReduceOp.AVERAGE or post != 1.0:
+                self._finish_into(target, target, op, post, n_contrib)
+            return target, "one"
+        # Copying the input in (out of place, through MPI), a float Average can take its 1/n
+        # on the way: a Sum of scaled inputs needs no pass after.
+        folded = ReduceOp.SUM if red.kind == "f" and op == ReduceOp.AVERAGE else op
+        pre = ann0.prescale / n_contrib if folded is not op else ann0.prescale
+        if target is None and self._small(src.nbytes):
+            # a small result: a fresh array, scaled while copied in, reduced in place (no
+            # persistent buffer and no copy out; 4 KiB Average: 3 us less a call)
+            res = np.empty(src.shape, dtype=red)
+            if pre != 1.0:
+                np.multiply(src, pre, out=res, casting="unsafe")
+            else:
+                np.copyto(res, src, casting="unsafe")
+            self.comm.Allreduce(MPI.IN_PLACE, res, op=mop)
+            if folded == ReduceOp.AVERAGE or post != 1.0:
+                self._finish_into(res, res, folded, post, n_contrib)
+            return res, "one"
+        # Out of place, the reduction runs in this backend's persistent buffer and the result
+        # is copied out: MPI given fresh memory every call is 5x slower here (1 MiB: 840 us
+        # against 170 us with the copies; Open MPI sets up each new buffer for shared-memory
+        # transfer). (MPI never sees the result's memory when shared memory carries the data)
+        pick = self._pick(src.nbytes, "out of place", folded, post, n_contrib, red.kind)
+        shm = pick[0] == "shm"
+        persistent = target is None and not shm and src.nbytes <= _PERSIST_MAX
+        poolable = (target is None and src.nbytes >= ResultPool.MIN_BYTES
+                    and self.results.budget > 0)
+        pooled = self.results.free(red, src.size) if poolable else None
+        if target is not None:
+            work = target
+        elif pooled is not None:      # reduce straight into a result the user let go
+            work = pooled.reshape(src.shape)
+            persistent = False
+        elif persistent:
+            work = self._fusion_buffer(red, src.size).reshape(src.shape)
+        else:
+            base = np.empty(src.size, dtype=red)
+            if poolable and shm:
+                self.results.keep(base)
+            work = base.reshape(src.shape)
+        if shm:     # (through shared memory each rank averages only its own part instead)
+            folded, pre = op, ann0.prescale
+        path = self._chunked_allreduce(work, mop, folded, post, n_contrib, src, pre, pick)
+        if not persistent:
+            return work, path
+        if poolable:
+            base = np.empty(work.size, dtype=work.dtype)
+            np.copyto(base, work.reshape(-1))
+            self.results.keep(base)
+            return base.reshape(work.shape), path
+        return work.copy(), path
 
     def _chunked_allreduce(self, work: np.ndarray, mop: MPI.Op, op: ReduceOp, postscale: float,
                            n_contrib: int, src: Optional[np.ndarray] = None, pre: float = 1.0,
