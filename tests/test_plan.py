@@ -419,20 +419,17 @@ def test_allreduce_ann_is_the_namedtuple_it_stands_for():
 
 
 def test_shared_memory_plan_covers_every_element_once():
-    """The shared-memory allreduce's plan: chunks that fit a slot, each split into one
-    contiguous part per rank, together covering the buffer once (parts may be empty)."""
-    from hvd_magic.collectives.backends.shm import chunk_plan, part_bounds
+    """The shared-memory allreduce's plan: chunks that fit a slot, together covering the
+    buffer once, in order."""
+    from hvd_magic.collectives.backends.shm import chunk_plan
 
-    assert part_bounds(10, 3) == [0, 3, 6, 10]
-    assert part_bounds(2, 3) == [0, 0, 1, 2]
     assert chunk_plan(10, 4, 16) == [(0, 4), (4, 8), (8, 10)]
     assert chunk_plan(3, 8, 4) == [(0, 1), (1, 2), (2, 3)]     # a slot smaller than an item
-    for n_elems, itemsize, slot, ranks in [(1000, 4, 104, 3), (1, 8, 1 << 20, 2), (7, 2, 6, 5)]:
+    for n_elems, itemsize, slot in [(1000, 4, 104), (1, 8, 1 << 20), (7, 2, 6)]:
         seen = []
         for lo, hi in chunk_plan(n_elems, itemsize, slot):
-            assert (hi - lo) * itemsize <= max(slot, itemsize)
-            b = part_bounds(hi - lo, ranks)
-            seen += [i for k in range(ranks) for i in range(lo + b[k], lo + b[k + 1])]
+            assert 0 < (hi - lo) * itemsize <= max(slot, itemsize)
+            seen += range(lo, hi)
         assert seen == list(range(n_elems))
 
 

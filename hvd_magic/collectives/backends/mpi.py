@@ -320,8 +320,6 @@ class MPIBackend:
             if poolable and shm:
                 self.results.keep(base)
             work = base.reshape(src.shape)
-        if shm:     # (through shared memory each rank averages only its own part instead)
-            folded, pre = op, ann0.prescale
         path = self._chunked_allreduce(work, mop, folded, post, n_contrib, src, pre, pick)
         if not persistent:
             return work, path
@@ -353,6 +351,9 @@ class MPIBackend:
         path, cands, what, trial = pick
         t0 = time.perf_counter() if trial else 0.0
         if path == "shm":
+            if op == ReduceOp.AVERAGE and work.dtype.kind == "f":
+                # (in place: the 1/n rides on the copy into the segment, no pass of its own)
+                op, pre = ReduceOp.SUM, pre / n_contrib
             self.shm.allreduce(work, work if src is None else src,
                                _UFUNCS[(op, work.dtype.kind == "b")],
                                (lambda dst, res: self._finish_into(dst, res, op, postscale, n_contrib))

@@ -1,40 +1,38 @@
 """Allreduce through a memory segment every rank of one host maps (CPU tensors).
 
 Why: Open MPI's ``Allreduce`` of 1 MiB between two processes on this 2-core VM takes
-110-125 us (about 9 GB/s) while a core copies 1 MiB in ~24 us. Through shared memory the
-same reduction is a few copies and one pass of arithmetic split between the ranks, with
-two barriers; measured side by side in one 2-rank job (``benchmarks/README.md``): 1 MiB
-64-77 us against 112-124 us, 400 KiB 50-60 us against 76-88 us, 64 KiB about equal;
-3 ranks on the 2 cores, 1 MiB 259 us against 559 us.
+120-650 us depending on the launch, while a core copies 1 MiB in ~24 us. Through shared
+memory the same reduction is one copy, one barrier and one pass of arithmetic.
 
 The algorithm, for rank ``r`` of ``n``: the buffer is cut into chunks of at most ``slot``
-bytes (``chunk_plan``) and each chunk into ``n`` contiguous parts (``part_bounds``); rank
-``r`` reduces part ``r`` of every chunk. For chunk ``i``::
+bytes (``chunk_plan``). For chunk ``i``, in bank ``b`` (which alternates from chunk to
+chunk and from call to call)::
 
-    in(i)   copy the parts other ranks reduce into bank i%2 of this rank's slot
-            (rank r's own part stays where it is)
-    red(i)  part r of bank i%2 of the result := own part (op) every other rank's slot
-    out(i)  copy the whole chunk of the result out, finishing it on the way (Average's
-            1/n, postscale)
+    in(i)   copy this rank's chunk (times ``pre``) into its slot of bank b
+    B       barrier: every rank's slot of bank b is written
+    red(i)  the result's chunk := slot 0 (op) slot 1 (op) ... slot n-1, in rank order,
+            then finished in place if needed (integer Average, postscale)
 
-pipelined with one barrier per chunk plus one at the end::
-
-    in(0) | B | red(0) in(1) | B | out(0) red(1) in(2) | B | ... | B | out(k-1)
-
-Each step only touches what the barriers before it made safe: red(i) reads the other
-ranks' in(i) (a barrier between them), out(i) reads every rank's red(i) (likewise), and a
-bank is written again two chunks later, after a barrier that every reader of its last
-contents passed. The next call starts the same way and is safe for the same reason.
-
-Each rank reduces only its own part, and every rank finishes the same values the same
-way, so all ranks hold bit-identical results.
+Every rank computes the whole result from the same slots in the same order, so all ranks
+hold bit-identical results, and no rank waits for another's arithmetic. A bank is written
+again two chunks later, after a barrier that every reader of its last contents passed
+(they read it before reaching the barrier in between), so one barrier per chunk suffices,
+also from one call to the next.
 
 Example, 2 ranks, Sum of 4 elements::
 
     rank 0: [1, 2, 3, 4]    rank 1: [10, 20, 30, 40]
-    slot 0 := [3, 4] (part 1)           slot 1 := [10, 20] (part 0)
-    rank 0 reduces part 0: [11, 22]     rank 1 reduces part 1: [33, 44]
-    both: [11, 22, 33, 44]
+    slot 0 := [1, 2, 3, 4]  slot 1 := [10, 20, 30, 40]      barrier
+    both ranks: slot 0 + slot 1 = [11, 22, 33, 44]
+
+Each rank reads ``n - 1`` other slots: at 2-3 ranks per host that is the traffic of a
+reduce-scatter plus allgather through the segment (the scheme this replaced) without its
+second barrier and its extra copy. In place at 2 ranks, interleaved in one job, four
+launches of this VM: 1 MiB 137-317 us against 160-384 for reduce-scatter + allgather and
+239-601 for one MPI call; 256 KiB 18-20 / 27-31 / 44-51 us; 4 MiB 550-566 / 777-785 /
+848-851 us. 3 ranks on the 2 cores, 1 MiB: 516-529 / 514-537 / 1,049-1,117 us. With many
+ranks per host the reads grow with ``n`` and the tuner (``tune.py``) settles on MPI calls
+where they are faster.
 
 The segment is a file in ``/dev/shm`` that rank 0 creates and removes as soon as every
 rank mapped it, so nothing is left behind, whatever happens to the processes later.
@@ -50,17 +48,6 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from .common import chunk_spans
-
-
-def part_bounds(m: int, n: int) -> list:
-    """Boundaries of ``n`` contiguous parts of ``m`` elements, as even as they come.
-
-    >>> part_bounds(10, 3)
-    [0, 3, 6, 10]
-    >>> part_bounds(1, 3)
-    [0, 0, 0, 1]
-    """
-    return [m * i // n for i in range(n + 1)]
 
 
 def chunk_plan(n_elems: int, itemsize: int, slot: int) -> list:
@@ -81,12 +68,8 @@ def _segment_dir() -> str:
             or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()))
 
 
-def _copy_into(dst: np.ndarray, res: np.ndarray) -> None:
-    dst[...] = res
-
-
 class ShmAllreduce:
-    """A segment of ``n`` slots and one result region of ``slot`` bytes each."""
+    """A segment of two banks of ``n`` slots of ``slot`` bytes each."""
 
     def __init__(self, comm: Any, mm: mmap.mmap, slot: int, path: str):
         self.comm = comm
@@ -96,41 +79,28 @@ class ShmAllreduce:
         self.slot = slot
         self.mem = np.frombuffer(mm, dtype=np.uint8)
         int(self.mem[::mmap.PAGESIZE].sum())     # map every page now, not in the first calls
-        self._layouts: dict = {}
+        self._views: dict = {}
+        self._bank = 0            # the bank the next chunk uses (the same on every rank)
         self.calls = 0            # allreduces done this way (tests read it)
 
-    def _layout(self, dt: np.dtype, m: int, bank: int) -> tuple:
-        """Views of the segment for a chunk of ``m`` elements of ``dt`` in ``bank``, made
-        once (views cost ~0.5 us each; a chunk needs 2n of them): (this rank's slot parts
-        for the others as (lo, hi, view), own part's lo, hi, the whole result, the result's
-        own part, the others' slot parts for this rank's part)."""
+    def _slots(self, dt: np.dtype, m: int, bank: int) -> tuple:
+        """Every rank's slot of ``bank`` as ``m`` elements of ``dt``, made once (a view
+        costs ~0.5 us)."""
         key = (dt.str, m, bank)
-        lay = self._layouts.get(key)
-        if lay is not None:
-            return lay
-        n, r, slot, it = self.size, self.rank, self.slot, dt.itemsize
-        base = bank * (n + 1) * slot
-        mem = self.mem
-
-        def view(k: int, a: int, b: int) -> np.ndarray:
-            off = base + k * slot
-            return mem[off + a * it:off + b * it].view(dt)
-
-        b = part_bounds(m, n)
-        p0, p1 = b[r], b[r + 1]
-        ins = [(b[k], b[k + 1], view(r, b[k], b[k + 1])) for k in range(n)
-               if k != r and b[k] != b[k + 1]]
-        others = [view(k, p0, p1) for k in range(n) if k != r]
-        lay = (ins, p0, p1, view(n, 0, m), view(n, p0, p1), others)   # result region: slot n
-        if len(self._layouts) >= 64:
-            self._layouts.clear()
-        self._layouts[key] = lay
-        return lay
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) >= 64:
+                self._views.clear()
+            nbytes, base = m * dt.itemsize, bank * self.size * self.slot
+            views = self._views[key] = tuple(
+                self.mem[base + k * self.slot:base + k * self.slot + nbytes].view(dt)
+                for k in range(self.size))
+        return views
 
     @staticmethod
     def segment_bytes(size: int, slot: int) -> int:
-        """Two banks of a slot per rank and of a result region."""
-        return 2 * (size + 1) * slot
+        """Two banks of a slot per rank."""
+        return 2 * size * slot
 
     @classmethod
     def open(cls, comm: Any, slot: int) -> Optional["ShmAllreduce"]:
@@ -182,42 +152,33 @@ class ShmAllreduce:
         """``work`` := ``finish_into``(reduction by ``ufunc`` of every rank's ``src * pre``).
 
         ``work`` and ``src`` are contiguous and of one dtype; ``src`` may be ``work`` (in
-        place). ``finish_into(dst, res)`` writes ``res`` averaged and post-scaled to ``dst``
-        (None: a plain copy): the finishing rides on the copy out, so an Average costs no
-        pass of its own."""
+        place). ``finish_into(dst, res)`` (called with ``dst is res``) averages and
+        post-scales a chunk in place while it is in cache; None: nothing to finish. A float
+        Average is cheaper as a Sum with ``pre`` = 1/n: the scaling rides on the copy in."""
         w = work.reshape(-1)
         s = src.reshape(-1)
-        if finish_into is None:
-            finish_into = _copy_into
+        dt = w.dtype
         chunks = (((0, w.size),) if w.nbytes <= self.slot
-                  else chunk_plan(w.size, w.dtype.itemsize, self.slot))
-        layout = self._layout
+                  else chunk_plan(w.size, dt.itemsize, self.slot))
+        r, rest = self.rank, range(2, self.size)
+        # This rank's own operand is read from ``src`` rather than from its slot (1 MiB in
+        # place at 2 ranks, one job: 89-95 us against 140-163), unless it is scaled there
+        # or, in place at ranks 2 and up, ``work`` was overwritten before its turn.
+        own = pre == 1.0 and (r < 2 or not np.may_share_memory(w, s))
         barrier = self.comm.Barrier
-        prev = None
-        for i, (lo, hi) in enumerate(chunks):
-            lay = layout(w.dtype, hi - lo, i % 2)
-            # in(i): the parts the other ranks reduce, into this rank's slot
-            for a, b, dst in lay[0]:
-                if pre != 1.0:
-                    np.multiply(s[lo + a:lo + b], pre, out=dst, casting="unsafe")
-                else:
-                    dst[...] = s[lo + a:lo + b]
+        for lo, hi in chunks:
+            slots = self._slots(dt, hi - lo, self._bank)
+            self._bank ^= 1
+            mine = s[lo:hi]
+            if pre != 1.0:
+                np.multiply(mine, pre, out=slots[r], casting="unsafe")
+            else:
+                slots[r][...] = mine
             barrier()
-            if prev is not None:       # out(i-1): every rank's red(i-1) is done
-                plo, phi, play = prev
-                finish_into(w[plo:phi], play[3])
-            # red(i): this rank's part of the result, from its own input and every other slot
-            p0, p1, out, others = lay[1], lay[2], lay[4], lay[5]
-            if p1 > p0:
-                acc = s[lo + p0:lo + p1]
-                if pre != 1.0:
-                    np.multiply(acc, pre, out=out, casting="unsafe")
-                    acc = out
-                for other in others:       # (one dtype throughout: no casting rule needed)
-                    ufunc(acc, other, out=out)
-                    acc = out
-            prev = (lo, hi, lay)
-        barrier()
-        plo, phi, play = prev
-        finish_into(w[plo:phi], play[3])
+            out = w[lo:hi]          # (one dtype throughout: no casting rule needed)
+            ufunc(mine if own and r == 0 else slots[0], mine if own and r == 1 else slots[1], out=out)
+            for k in rest:
+                ufunc(out, mine if own and k == r else slots[k], out=out)
+            if finish_into is not None:
+                finish_into(out, out)
         self.calls += 1
