@@ -282,10 +282,8 @@ class MPIBackend:
             if op == ReduceOp.AVERAGE or post != 1.0:
                 self._finish_into(target, target, op, post, n_contrib)
             return target, "one"
-        # Copying the input in (out of place, through MPI), a float Average can take its 1/n
-        # on the way: a Sum of scaled inputs needs no pass after.
-        folded = ReduceOp.SUM if red.kind == "f" and op == ReduceOp.AVERAGE else op
-        pre = ann0.prescale / n_contrib if folded is not op else ann0.prescale
+        # Copying the input in (out of place), a float Average takes its 1/n on the way
+        folded, pre = self._fold(op, ann0.prescale, n_contrib, red.kind)
         if target is None and self._small(src.nbytes):
             # a small result: a fresh array, scaled while copied in, reduced in place (no
             # persistent buffer and no copy out; 4 KiB Average: 3 us less a call)
@@ -351,13 +349,12 @@ class MPIBackend:
         path, cands, what, trial = pick
         t0 = time.perf_counter() if trial else 0.0
         if path == "shm":
-            if op == ReduceOp.AVERAGE and work.dtype.kind == "f":
-                # (in place: the 1/n rides on the copy into the segment, no pass of its own)
-                op, pre = ReduceOp.SUM, pre / n_contrib
-            self.shm.allreduce(work, work if src is None else src,
-                               _UFUNCS[(op, work.dtype.kind == "b")],
+            # (in place too, the 1/n rides on the copy into the segment)
+            kind = work.dtype.kind
+            op, pre = self._fold(op, pre, n_contrib, kind)
+            self.shm.allreduce(work, work if src is None else src, _UFUNCS[(op, kind == "b")],
                                (lambda dst, res: self._finish_into(dst, res, op, postscale, n_contrib))
-                               if op == ReduceOp.AVERAGE or postscale != 1.0 else None,
+                               if self._scaled(op, postscale, n_contrib, kind) else None,
                                pre)
         else:
             flat = work.reshape(-1)
@@ -411,6 +408,14 @@ class MPIBackend:
         if self.tl.active:
             self.tl.add(ann.name, "EAGER_ALLREDUCE", t0, now_us() - t0, {"bytes": int(acc.nbytes)})
         req.set_array(target if target is not None else acc.reshape(ann.shape), dtype)
+
+    @staticmethod
+    def _fold(op: ReduceOp, pre: float, n_contrib: int, kind: str) -> tuple:
+        """``(op, pre)`` for inputs copied into a buffer before the sum: a float Average is
+        a Sum of inputs scaled by 1/n on their way in, with no pass over the result after."""
+        if kind == "f" and op == ReduceOp.AVERAGE:
+            return ReduceOp.SUM, pre / n_contrib
+        return op, pre
 
     @staticmethod
     def _scaled(op: ReduceOp, postscale: float, n_contrib: int, kind: str) -> bool:
