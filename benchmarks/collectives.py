@@ -22,6 +22,11 @@ What it measures (numpy float32 throughout):
 - CPU of an idle runtime (10 s after init) and of a rank waiting in allreduce for a
   slower rank (5 s).
 
+Every in-place variant works on one and the same buffer, and every out-of-place variant
+reads one and the same input: on this VM where a big buffer's pages land changes a raw
+16 MiB call by up to ~25%, so each size also times raw MPI on a second buffer, for
+reference ("another buffer" line).
+
 The variants are interleaved: each round runs a block of every variant, in a rotating
 order, so that noise on this small machine hits all of them alike. The first round is
 warm-up and is dropped. Times are rank 0's, per call (per batch for the 100-tensor
@@ -126,24 +131,28 @@ class Bench:
         comm = self.comm
         for nbytes in SIZES:
             n = nbytes // 4
-            raw_x = np.zeros(n, dtype=np.float32)
-            raw_x[:] = 0.0                       # touch every page
-            hvd_ip = np.zeros(n, dtype=np.float32)
-            hvd_ip[:] = 0.0
-            hvd_src = np.zeros(n, dtype=np.float32)
-            hvd_src[:] = 0.0
-            oop_src = np.zeros(n, dtype=np.float32)
-            oop_src[:] = 0.0
+            # One buffer for every in-place variant and one input for every out-of-place one:
+            # on this VM where a big buffer's pages land moves a raw 16 MiB call by up to
+            # ~25% (the "other buffer" reference below shows it), so the same work on
+            # different buffers is not a fair comparison.
+            x = np.zeros(n, dtype=np.float32)
+            x[:] = 0.0                           # touch every page
+            other = np.zeros(n, dtype=np.float32)
+            other[:] = 0.0
+            src = np.zeros(n, dtype=np.float32)
+            src[:] = 0.0
 
             def raw():
-                comm.Allreduce(MPI.IN_PLACE, raw_x, op=MPI.SUM)
+                comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
+
+            def raw_other():
+                # the same call on another buffer of the same size: buffer luck, reference only
+                comm.Allreduce(MPI.IN_PLACE, other, op=MPI.SUM)
 
             def raw_oop():
-                out = np.empty_like(oop_src)
-                comm.Allreduce(oop_src, out, op=MPI.SUM)
+                out = np.empty_like(src)
+                comm.Allreduce(src, out, op=MPI.SUM)
 
-            avg_src = np.zeros(n, dtype=np.float32)
-            avg_src[:] = 0.0
             avg_out = np.zeros(n, dtype=np.float32)
             avg_out[:] = 0.0
             inv = np.float32(1.0 / self.size)
@@ -151,21 +160,23 @@ class Bench:
             def raw_avg():
                 # what hvd.allreduce(x) does, written with raw MPI: the average into another
                 # buffer (reused, as hvd reuses results the caller let go)
-                comm.Allreduce(avg_src, avg_out, op=MPI.SUM)
+                comm.Allreduce(src, avg_out, op=MPI.SUM)
                 np.multiply(avg_out, inv, out=avg_out)
 
             def hvd_inplace():
-                hvd.allreduce_(hvd_ip, op=hvd.Sum)
+                hvd.allreduce_(x, op=hvd.Sum)
 
             def hvd_avg():
-                hvd.allreduce(hvd_src)
+                hvd.allreduce(src)
 
             variants = {"raw": raw, "hvd_sum_": hvd_inplace, "raw_avg": raw_avg, "hvd_avg": hvd_avg}
+            if nbytes >= MiB:
+                variants["raw_other"] = raw_other
             if nbytes == SIZES[0]:
                 def hvd_named():
                     # a loop's named allreduce: after the first call its cycle is served from
                     # the cycle cache (an unnamed call is a new name every time)
-                    hvd.allreduce_(hvd_ip, op=hvd.Sum, name="bench.named")
+                    hvd.allreduce_(x, op=hvd.Sum, name="bench.named")
 
                 variants["hvd_sum_named"] = hvd_named
             backend = hvd_state.engine().mpi_backend
@@ -181,7 +192,7 @@ class Bench:
                     if one_call:
                         backend.chunk = 0
                     try:
-                        hvd.allreduce_(hvd_ip, op=hvd.Sum)
+                        hvd.allreduce_(x, op=hvd.Sum)
                     finally:
                         backend.chunk, backend.path = chunk, path
                 return run
@@ -195,7 +206,7 @@ class Bench:
                 variants["raw_oop"] = raw_oop
             rounds, calls = self.reps(REPS[nbytes])
             s = self.interleave(variants, rounds, calls)
-            med = {"raw_oop": float("nan"), "hvd_sum_1call": float("nan"), "hvd_sum_named": float("nan"),
+            med = {"raw_oop": float("nan"), "raw_other": float("nan"), "hvd_sum_1call": float("nan"), "hvd_sum_named": float("nan"),
                    "hvd_sum_mpi": float("nan")}
             med.update({k: statistics.median(v) for k, v in s.items()})
             chosen = {what or "in place": p for (c, cands, what), p in backend.tuner.settled().items()
@@ -315,6 +326,10 @@ def report(res: dict, args) -> list:
     p("   raw oop: raw MPI out of place into a fresh np.empty buffer, reference only; above 1 MiB only with --oop-all)")
     p("hvd Avg against raw MPI's in place Sum (less work than an average into another buffer): " + ", ".join(
         f"{human(r['bytes'])} {r['raw_s'] / r['hvd_avg_s']:.2f}x" for r in res["sizes"] if r["bytes"] >= MiB))
+    p("raw MPI in place on another buffer of the same size, same run (what buffer placement alone does; "
+      "every compared variant uses one buffer): " + ", ".join(
+        f"{human(r['bytes'])} {fmt_t(r['raw_other_s'])} ({r['raw_other_s'] / r['raw_s']:.2f}x the raw time)"
+        for r in res["sizes"] if r["raw_other_s"] == r["raw_other_s"]))
     p("path the runtime settled on (HVD_MAGIC_ALLREDUCE_PATH=auto, per size, after its trials): " + ", ".join(
         f"{human(r['bytes'])}: {r['path']}" for r in res["sizes"] if r["path"] != "-"))
     for key, label in (("hvd_sum_mpi", "in place Sum with the data through MPI calls "
