@@ -206,8 +206,9 @@ class Bench:
                 variants["raw_oop"] = raw_oop
             rounds, calls = self.reps(REPS[nbytes])
             s = self.interleave(variants, rounds, calls)
-            med = {"raw_oop": float("nan"), "raw_other": float("nan"), "hvd_sum_1call": float("nan"), "hvd_sum_named": float("nan"),
-                   "hvd_sum_mpi": float("nan")}
+            # (the variants some sizes leave out)
+            med = dict.fromkeys(("raw_oop", "raw_other", "hvd_sum_1call", "hvd_sum_named",
+                                 "hvd_sum_mpi"), float("nan"))
             med.update({k: statistics.median(v) for k, v in s.items()})
             chosen = {what or "in place": p for (c, cands, what), p in backend.tuner.settled().items()
                       if c == size_class(nbytes) and "shm" in cands and p}

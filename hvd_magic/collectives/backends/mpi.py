@@ -237,7 +237,7 @@ class MPIBackend:
         path = self._chunked_allreduce(buf, mop, op, ann0.postscale, n_contrib)
         t2 = now_us() if tl else 0.0
         # (0 stands for a joined rank's missing request; None is an out-of-place result)
-        outs = (list(map(_OUT_OF, reqs)) if whole or None not in reqs
+        outs = (list(map(_OUT_OF, reqs)) if None not in reqs
                 else [0 if req is None else req.out for req in reqs])
         # (by type: ``None in outs`` would compare arrays elementwise)
         fresh = buf.copy() if not half and _NONE_T in set(map(type, outs)) else None
@@ -279,7 +279,7 @@ class MPIBackend:
             if not self._small(src.nbytes):
                 return target, self._chunked_allreduce(target, mop, op, post, n_contrib)
             self.comm.Allreduce(MPI.IN_PLACE, target, op=mop)   # one MPI call, nothing to choose
-            if op == ReduceOp.AVERAGE or post != 1.0:
+            if self._scaled(op, post, n_contrib, red.kind):
                 self._finish_into(target, target, op, post, n_contrib)
             return target, "one"
         # Copying the input in (out of place), a float Average takes its 1/n on the way
@@ -293,7 +293,7 @@ class MPIBackend:
             else:
                 np.copyto(res, src, casting="unsafe")
             self.comm.Allreduce(MPI.IN_PLACE, res, op=mop)
-            if folded == ReduceOp.AVERAGE or post != 1.0:
+            if self._scaled(folded, post, n_contrib, red.kind):
                 self._finish_into(res, res, folded, post, n_contrib)
             return res, "one"
         # Out of place, the reduction runs in this backend's persistent buffer and the result
