@@ -78,6 +78,7 @@ class Config:
     allreduce_chunk: int = 1024 * 1024    # bytes per MPI call for big allreduces; 0: one call
     cache_capacity: int = 1024            # announcements remembered per rank; 0: no caching
     shm_min: int = 128 * 1024             # allreduces this big may go through shared memory; -1: never
+    shm_big_slot: int = 16 * 1024 * 1024  # the shared-memory way in big pieces (tune.py); 0: never
     allreduce_path: str = "auto"          # auto (measured per size), shm, mpi
     stall_check_s: float = 60.0          # 0 disables the warning
     stall_shutdown_s: float = 0.0        # 0: never fail stalled requests
@@ -99,6 +100,7 @@ class Config:
             allreduce_chunk=max(0, int(_env_float("HVD_MAGIC_ALLREDUCE_CHUNK_MB", 1.0) * 2**20)),
             cache_capacity=max(0, int(_env_float("HOROVOD_CACHE_CAPACITY", 1024))),
             shm_min=max(0, int(_env_float("HVD_MAGIC_SHM_MIN_KB", 128.0) * 1024)),
+            shm_big_slot=max(0, int(_env_float("HVD_MAGIC_SHM_BIG_MB", 16.0) * 2**20)),
             allreduce_path=_allreduce_path(),
             stall_check_s=stall,
             stall_shutdown_s=_env_float("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0.0),
@@ -171,7 +173,7 @@ class Engine:
         from .backends.mpi import MPIBackend
         self.mpi_backend = MPIBackend(comm, timeline, config.allreduce_chunk,
                                       config.shm_min if config.cpu_operations == "mpi" else -1,
-                                      config.allreduce_path)
+                                      config.allreduce_path, config.shm_big_slot)
         # CPU tensors this big are reduced alone, never fused (plan_fusion)
         self._alone = config.allreduce_chunk if config.cpu_operations == "mpi" else 0
         self.thread = threading.Thread(target=self._main, name=f"hvd_magic-engine-{self.rank}",

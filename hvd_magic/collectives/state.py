@@ -85,9 +85,9 @@ def init(comm: Optional[Any] = None) -> None:
         # tables differently: rank 0's values hold. Chunking is for ranks that share memory
         # (measured there; see backends/mpi.py).
         (cfg.fusion_threshold, cfg.cpu_operations, chunk, cfg.cache_capacity, shm_min,
-         cfg.allreduce_path) = mine.bcast(
+         cfg.allreduce_path, cfg.shm_big_slot) = mine.bcast(
             (cfg.fusion_threshold, cfg.cpu_operations, cfg.allreduce_chunk, cfg.cache_capacity,
-             cfg.shm_min, cfg.allreduce_path), root=0)
+             cfg.shm_min, cfg.allreduce_path, cfg.shm_big_slot), root=0)
         one_host = local.Get_size() == mine.Get_size()
         cfg.allreduce_chunk = chunk if one_host else 0
         cfg.shm_min = shm_min if one_host else -1

@@ -582,15 +582,19 @@ def _():
 @section("the data path chosen by measuring")
 def _():
     # HVD_MAGIC_ALLREDUCE_PATH=auto (the default): per size class each candidate way (shared
-    # memory, MPI calls of the chunk, one MPI call) is tried in turn, then every rank takes
-    # rank 0's verdict. Every rank must choose the same way at the same call, whatever its
-    # own timings, or the ranks would pair different calls (a hang).
+    # memory in slots of the chunk, shared memory in big pieces, one MPI call; MPI calls of
+    # the chunk where there is no segment) is tried in turn, then every rank takes rank 0's
+    # verdict. Every rank must choose the same way at the same call, whatever its own
+    # timings, or the ranks would pair different calls (a hang). The big pieces are 4,194
+    # bytes here, so the sizes below go as 2, 3 and 4 of them.
     from hvd_magic.collectives import state
     from hvd_magic.collectives.backends import tune
     hvd.shutdown()
-    with_env(HVD_MAGIC_ALLREDUCE_CHUNK_MB="0.001", HVD_MAGIC_SHM_MIN_KB="1")
+    with_env(HVD_MAGIC_ALLREDUCE_CHUNK_MB="0.001", HVD_MAGIC_SHM_MIN_KB="1",
+             HVD_MAGIC_SHM_BIG_MB="0.004" if r == 0 else "0")   # rank 0's value holds
     hvd.init()
     be = state.engine().mpi_backend
+    check(be.shm_big is None, "the segment of big pieces mapped before it is needed")
     sizes = (1100, 2100, 4100)                   # float32 over 4 KiB (never eager): 3 sizes
     calls = (len(be._candidates(4 * 3000)) * (tune.TRIALS + tune.RETRIALS) + 2) + 3
     be.tuner.revisit = be.tuner.first_revisit = 5   # look again soon: the retrials run here too
@@ -623,8 +627,15 @@ def _():
     check(all(e == every[0] for e in every), f"ranks settled differently: {every}")
     if n > 1:
         check(be.shm is not None and be.shm.calls > 0, "shared memory never tried")
+        check(be.shm_big is not None and be.shm_big.slot == 4194 and be.shm_big.calls > 0,
+              f"shared memory in big pieces never tried: {be.shm_big}")
+        check(be._candidates(4 * 3000) == ("shm", "shm-big", "one"),
+              f"candidates {be._candidates(4 * 3000)}")
+    else:
+        check(be.shm_big is None and be._candidates(4 * 3000) == ("chunks", "one"),
+              f"one rank: {be.shm_big}, {be._candidates(4 * 3000)}")
     hvd.shutdown()
-    with_env(HVD_MAGIC_ALLREDUCE_CHUNK_MB=None, HVD_MAGIC_SHM_MIN_KB=None)
+    with_env(HVD_MAGIC_ALLREDUCE_CHUNK_MB=None, HVD_MAGIC_SHM_MIN_KB=None, HVD_MAGIC_SHM_BIG_MB=None)
 
 
 @section("HOROVOD_TIMELINE env")

@@ -56,6 +56,7 @@ def _dtypes(name: str) -> tuple:
 
 
 _ONE = ("one",)
+_SHM_PATHS = ("shm", "shm-big")
 
 #: Out-of-place allreduces up to this size run in the persistent buffer (kept per dtype).
 _PERSIST_MAX = 64 * 1024 * 1024
@@ -131,11 +132,14 @@ class MPIBackend:
     prefix = "MPI"
 
     def __init__(self, comm: MPI.Comm, timeline: Any, chunk: int = 0, shm_min: int = -1,
-                 path: str = "auto"):
+                 path: str = "auto", big_slot: int = 0):
         """``shm_min`` >= 0 (every rank on one host, collective): allreduces of at least
         that many bytes may go through a shared-memory segment (``shm.py``); -1: never.
         ``path`` (HVD_MAGIC_ALLREDUCE_PATH): ``auto`` measures which way is fastest per
-        size (``tune.py``), ``shm`` always takes the segment when it may, ``mpi`` never."""
+        size (``tune.py``), ``shm`` always takes the segment when it may, ``mpi`` never.
+        ``big_slot`` > the segment's slot (``auto`` only): allreduces bigger than a slot may
+        also go through a second segment in pieces of up to ``big_slot`` bytes (``shm-big``),
+        mapped at the first such allreduce."""
         self.comm = comm
         self.chunk = chunk        # bytes per MPI call for big allreduces (0: one call)
         self.rank = comm.Get_rank()
@@ -147,8 +151,12 @@ class MPIBackend:
         self.shm_min = shm_min
         self.path = path
         self.tuner = PathTuner()
+        self.shm_big: Optional[ShmAllreduce] = None
         if shm_min >= 0 and self.size > 1 and path != "mpi":
             self.shm = ShmAllreduce.open(comm, chunk if chunk > 0 else 1 << 20)
+        # (a slot size still to be mapped, 0 once mapped or when there is none to map)
+        self._big_slot = (big_slot if self.shm is not None and path == "auto"
+                          and big_slot > self.shm.slot else 0)
 
     def _candidates(self, nbytes: int) -> tuple:
         """The ways an allreduce of ``nbytes`` may move its data (see ``tune.py``)."""
@@ -158,6 +166,12 @@ class MPIBackend:
             return ("shm",)
         if self.path != "auto":
             return ("chunks",) if chunks else ("one",)
+        if shm and self.shm_big is not None and nbytes > self.shm.slot:
+            # (not MPI calls of the chunk: where they won, big pieces came close, 64 MiB in
+            # place in slow launches 2.15-2.46x raw bandwidth against 2.07-2.15x, and 1 MiB
+            # calls lose to one MPI call at 16 MiB there, 4.2-6.5 ms against 2.5-3.8; one way
+            # fewer to try each round)
+            return ("shm", "shm-big", "one")
         return ("shm",) * shm + ("chunks",) * chunks + ("one",)
 
     def _small(self, nbytes: int) -> bool:
@@ -176,6 +190,9 @@ class MPIBackend:
             return "one", _ONE, what, False       # small: no choice (every small allreduce)
         if self._scaled(op, postscale, n_contrib, kind):
             what = f"{what}, scaled" if what else "scaled"
+        if self._big_slot and nbytes > self.shm.slot and nbytes >= self.shm_min:
+            # every rank is at this same call: map the big-piece segment (collective)
+            self.shm_big, self._big_slot = ShmAllreduce.open(self.comm, self._big_slot), 0
         cands = self._candidates(nbytes)
         path, trial = self.tuner.choose(nbytes, cands, what)
         return path, cands, what, trial
@@ -301,7 +318,7 @@ class MPIBackend:
         # against 170 us with the copies; Open MPI sets up each new buffer for shared-memory
         # transfer). (MPI never sees the result's memory when shared memory carries the data)
         pick = self._pick(src.nbytes, "out of place", folded, post, n_contrib, red.kind)
-        shm = pick[0] == "shm"
+        shm = pick[0] in _SHM_PATHS
         persistent = target is None and not shm and src.nbytes <= _PERSIST_MAX
         poolable = (target is None and src.nbytes >= ResultPool.MIN_BYTES
                     and self.results.budget > 0)
@@ -348,14 +365,15 @@ class MPIBackend:
             pick = self._pick(work.nbytes, "", op, postscale, n_contrib, work.dtype.kind)
         path, cands, what, trial = pick
         t0 = time.perf_counter() if trial else 0.0
-        if path == "shm":
+        if path in _SHM_PATHS:
             # (in place too, the 1/n rides on the copy into the segment)
             kind = work.dtype.kind
             op, pre = self._fold(op, pre, n_contrib, kind)
-            self.shm.allreduce(work, work if src is None else src, _UFUNCS[(op, kind == "b")],
-                               (lambda dst, res: self._finish_into(dst, res, op, postscale, n_contrib))
-                               if self._scaled(op, postscale, n_contrib, kind) else None,
-                               pre)
+            seg = self.shm if path == "shm" else self.shm_big
+            seg.allreduce(work, work if src is None else src, _UFUNCS[(op, kind == "b")],
+                          (lambda dst, res: self._finish_into(dst, res, op, postscale, n_contrib))
+                          if self._scaled(op, postscale, n_contrib, kind) else None,
+                          pre)
         else:
             flat = work.reshape(-1)
             s = src.reshape(-1) if src is not None and (pre != 1.0 or src is not work) else None

@@ -1,12 +1,16 @@
 """Which way a big allreduce moves its data: chosen by measuring, the same on every rank.
 
-On one host a big CPU allreduce can go three ways: through the shared-memory segment
-(``shm``), as MPI calls of ``HVD_MAGIC_ALLREDUCE_CHUNK_MB`` (``chunks``), or as one MPI call
-(``one``). Which is fastest depends on the size and on the machine's state, which on this
-2-core VM changes from launch to launch (``benchmarks/README.md``, 2026-11-24): in most
-launches ``shm`` is fastest at every size (16 MiB at 2 ranks: 2.4 ms, chunks 3.4, one call
-3.0), in others cache-to-cache traffic between the cores is ~4x slower and above 2 MiB one
-MPI call wins (16 MiB: shm 7.9 ms, chunks 4.2-6.5, one call 2.5-3.8).
+On one host a big CPU allreduce can go these ways: through the shared-memory segment in
+pieces of ``HVD_MAGIC_ALLREDUCE_CHUNK_MB`` (``shm``), through a second segment in pieces of
+up to ``HVD_MAGIC_SHM_BIG_MB`` (``shm-big``, above the chunk), as MPI calls of the chunk
+(``chunks``, where there is no segment), or as one MPI call (``one``). Which is fastest
+depends on the size and on the machine's state, which on this 2-core VM changes from launch
+to launch (``benchmarks/README.md``, 2026-11-24): in most launches ``shm`` is fastest at
+every size (16 MiB at 2 ranks: 2.4 ms, chunks 3.4, one call 3.0), in others cache-to-cache
+traffic between the cores is ~4x slower; then 1 MiB pieces are the slowest way and whole
+pieces, read from the shared cache rather than the other core's, the fastest above 1 MiB
+(in place, one job, five such launches: 16 MiB shm 7.3-11.0 ms, shm-big 2.4-3.3, one call
+3.1-3.9; 64 MiB shm 30.6-33.1, shm-big 10.4-11.5, chunks 9.6-19.6, one call 25.0-26.2).
 
 :class:`PathTuner` is pure (no communication, no clock): every rank keeps one and feeds it
 the same calls in the same order, so every rank asks for the same path at the same call.
@@ -17,9 +21,9 @@ settled path (25 the first time, then twice as many each time up to 400: a verdi
 noisy moment is soon looked at again) it tries every candidate ``RETRIALS`` times again,
 since the machine's state may have changed; the settled path gives way only to one
 ``MARGIN`` faster. Example,
-candidates (shm, chunks, one), TRIALS 2::
+candidates (shm, shm-big, one), TRIALS 2::
 
-    calls 0-5: shm chunks one shm chunks one   (measured)     after call 5: verdict due
+    calls 0-5: shm shm-big one shm shm-big one   (measured)     after call 5: verdict due
     calls 6..: the verdict, e.g. shm, for FIRST_REVISIT calls, then a shorter round of trials
 """
 from __future__ import annotations
