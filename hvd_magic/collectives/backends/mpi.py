@@ -167,9 +167,9 @@ class MPIBackend:
         if self.path != "auto":
             return ("chunks",) if chunks else ("one",)
         if shm and self.shm_big is not None and nbytes > self.shm.slot:
-            # (not MPI calls of the chunk: where they won, big pieces came close, 64 MiB in
-            # place in slow launches 2.15-2.46x raw bandwidth against 2.07-2.15x, and 1 MiB
-            # calls lose to one MPI call at 16 MiB there, 4.2-6.5 ms against 2.5-3.8; one way
+            # (not MPI calls of the chunk: in slow launches, where the tuner settled on them
+            # at 64 MiB in place they gave 1.25-2.46x raw bandwidth, big pieces 2.07-2.15x,
+            # and at 16 MiB they lose to one MPI call, 4.2-6.5 ms against 2.5-3.8; one way
             # fewer to try each round)
             return ("shm", "shm-big", "one")
         return ("shm",) * shm + ("chunks",) * chunks + ("one",)
