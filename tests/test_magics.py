@@ -1,6 +1,7 @@
 """%%hvd, %hvd and %autohvd through a real IPython shell and a real pool."""
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
@@ -190,17 +191,28 @@ def test_push_pull_status_autohvd(ip, capsys):
     assert "[0] auto 0" in out and "[1] auto 1" in out and "\nhere\n" in out
 
 
-def _interrupt_main_after(seconds):
+@contextlib.contextmanager
+def _ctrl_c_after(seconds):
+    """SIGINT to the main thread in ``seconds``, as a notebook's interrupt button sends it.
+
+    A Jupyter kernel runs cells with Python's SIGINT handler in place. A test process
+    started in the background by a script (``bash .ci/run &``) inherits SIGINT ignored,
+    and the signal would then be lost, so the handler is put in place here."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
     main = threading.main_thread().ident
     timer = threading.Timer(seconds, lambda: signal.pthread_kill(main, signal.SIGINT))
     timer.start()
-    return timer
+    try:
+        yield
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, old)
 
 
 def test_interrupt_while_a_rank_waits_in_a_collective(ip, capsys):
-    _interrupt_main_after(1.0)
     t0 = time.monotonic()
-    res = run(ip, "", "if hvd.rank() == 0:\n    hvd.allreduce(np.ones(4), name='never')\n")
+    with _ctrl_c_after(1.0):
+        res = run(ip, "", "if hvd.rank() == 0:\n    hvd.allreduce(np.ones(4), name='never')\n")
     took = time.monotonic() - t0 - 1.0
     assert isinstance(res.error_in_exec, KeyboardInterrupt)
     assert took < 3.0
