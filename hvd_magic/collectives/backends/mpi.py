@@ -166,13 +166,18 @@ class MPIBackend:
             return ("shm",)
         if self.path != "auto":
             return ("chunks",) if chunks else ("one",)
-        if shm and self.shm_big is not None and nbytes > self.shm.slot:
+        if self.shm_big is not None and self._big_applies(nbytes):
             # (not MPI calls of the chunk: in slow launches, where the tuner settled on them
             # at 64 MiB in place they gave 1.25-2.46x raw bandwidth, big pieces 2.07-2.15x,
             # and at 16 MiB they lose to one MPI call, 4.2-6.5 ms against 2.5-3.8; one way
             # fewer to try each round)
             return ("shm", "shm-big", "one")
         return ("shm",) * shm + ("chunks",) * chunks + ("one",)
+
+    def _big_applies(self, nbytes: int) -> bool:
+        """Whether an allreduce of ``nbytes`` may go in big pieces (``shm-big``), given
+        that segment or a slot size for it (both only with a first segment, path auto)."""
+        return nbytes > self.shm.slot and nbytes >= self.shm_min
 
     def _small(self, nbytes: int) -> bool:
         """Whether an allreduce of ``nbytes`` has one way only: one MPI call."""
@@ -190,7 +195,7 @@ class MPIBackend:
             return "one", _ONE, what, False       # small: no choice (every small allreduce)
         if self._scaled(op, postscale, n_contrib, kind):
             what = f"{what}, scaled" if what else "scaled"
-        if self._big_slot and nbytes > self.shm.slot and nbytes >= self.shm_min:
+        if self._big_slot and self._big_applies(nbytes):
             # every rank is at this same call: map the big-piece segment (collective)
             self.shm_big, self._big_slot = ShmAllreduce.open(self.comm, self._big_slot), 0
         cands = self._candidates(nbytes)
