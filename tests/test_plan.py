@@ -455,17 +455,101 @@ def test_path_tuner_tries_each_way_then_keeps_the_verdict_and_looks_again():
     assert not t.due(mb, cands) and t.settled() == {(20, cands, ""): "one"}
     assert t.choose(mb, cands, "out of place") == ("shm", True)  # kept apart from in place
     # another size in the same power of two shares the class; another class starts afresh
-    assert [t.choose(mb + 5, cands) for _ in range(2)] == [("one", False)] * 2
+    # (settled calls are timed too: see the drift test below)
+    assert [t.choose(mb + 5, cands) for _ in range(2)] == [("one", True)] * 2
     assert t.choose(4 * mb, cands) == ("shm", True)
-    # the third settled call starts a shorter round of trials; a settled path gives way only
-    # to one 10% faster; the next round comes after twice as many calls
-    assert t.choose(mb, cands) == ("one", False)
+    # the third settled call is the first of a shorter round of trials; a settled path
+    # gives way only to one 10% faster; the next round comes after twice as many calls
     for path, us in (("shm", 0.95), ("chunks", 3.0), ("one", 1.0)):
         assert t.choose(mb, cands) == (path, True)
         t.record(mb, cands, "", path, us * 1e-4)
     assert t.due(mb, cands) and t.verdict(mb, cands) == "one"
     t.settle(mb, cands, "", "one")
-    assert [t.choose(mb, cands)[1] for _ in range(7)] == [False] * 6 + [True]
+    # settled calls are timed (watched); the sixth call is the first trial of the next round
+    assert [t.choose(mb, cands) for _ in range(6)] == [("one", True)] * 5 + [("shm", True)]
+
+
+def test_path_tuner_tries_again_at_once_when_the_settled_path_slows_down():
+    """Between rounds of trials the settled path's calls are watched; when the median of a
+    window is DRIFT times what that path gave before, the caller (with rank 0's answer)
+    starts a round of trials at once, not after up to REVISIT calls. A round that a drift
+    check started and that keeps the same path ends the checks until the next scheduled
+    round (a path that is merely slower now must not start rounds over and over)."""
+    from hvd_magic.collectives.backends import tune
+
+    t = tune.PathTuner(trials=1, retrials=1, revisit=400, first_revisit=400)
+    cands = ("shm", "shm-big", "one")
+    big = 64 << 20
+    cost = {"shm": 8e-3, "shm-big": 11e-3, "one": 25e-3}
+
+    def call(slow=1.0):
+        path, timed = t.choose(big, cands)
+        if timed:
+            t.record(big, cands, "", path, cost[path] * (slow if path == "shm" else 1.0))
+            if t.due(big, cands):
+                t.settle(big, cands, "", t.verdict(big, cands))
+            elif t.check_due(big, cands):
+                t.checked(big, cands, "", t.drifted(big, cands))
+        return path
+
+    assert [call() for _ in range(3)] == list(cands)
+    assert t.settled()[(26, cands, "")] == "shm"
+    # a window of WATCH (8) calls at 64 MiB; noise within DRIFT does not start a round
+    assert [call(slow=1.3) for _ in range(2 * tune.WATCH)] == ["shm"] * 16
+    # the shared-memory pieces become 3x slower: within one window every way is tried again
+    paths = [call(slow=3.0) for _ in range(tune.WATCH + 3)]
+    assert paths[:tune.WATCH] == ["shm"] * tune.WATCH and paths[tune.WATCH:] == list(cands)
+    assert t.settled()[(26, cands, "")] == "shm-big"
+    # shm-big is watched against its own trials, and is as fast as it was: no new round
+    assert [call(slow=3.0) for _ in range(tune.WATCH)] == ["shm-big"] * tune.WATCH
+    # small sizes are checked after WATCH_BYTES, not WATCH calls
+    small = 1 << 20
+    t.choose(small, cands)
+    assert t.classes[(20, cands, "")].watch == tune.WATCH_BYTES // small
+
+
+def test_path_tuner_drift_rounds_count_the_slow_calls_and_end_in_quiet():
+    """In a round that a drift check started, the settled path counts as slow as the calls
+    that set it off (on this VM one MPI call ran faster right after the other ways' trials
+    than call after call). A drift round that keeps the path, or a second drift round, ends
+    the checks until the next scheduled round."""
+    from hvd_magic.collectives.backends import tune
+
+    t = tune.PathTuner(trials=1, retrials=1, revisit=400, first_revisit=400)
+    cands = ("shm-big", "one")
+    big = 16 << 20
+
+    def round_(costs):
+        for path in cands:
+            assert t.choose(big, cands) == (path, True)
+            t.record(big, cands, "", path, costs[path])
+        assert t.due(big, cands)
+        t.settle(big, cands, "", t.verdict(big, cands))
+        return t.settled()[(24, cands, "")]
+
+    def window(path, cost):
+        for _ in range(tune.WATCH):
+            assert t.choose(big, cands) == (path, True)
+            t.record(big, cands, "", path, cost)
+        assert t.check_due(big, cands)
+        slower = t.drifted(big, cands)
+        t.checked(big, cands, "", slower)
+        return slower
+
+    assert round_({"shm-big": 2.9e-3, "one": 2.7e-3}) == "one"
+    assert not window("one", 3.0e-3)                 # 1.1x: noise
+    assert window("one", 4.0e-3)                     # 1.5x the trials: look again
+    # the trial of one call is fast again, but the 4.0 ms calls count: shm-big
+    assert round_({"shm-big": 2.9e-3, "one": 2.6e-3}) == "shm-big"
+    assert window("shm-big", 5.0e-3)                 # shm-big slows down too: a second round
+    assert round_({"shm-big": 5.0e-3, "one": 2.6e-3}) == "one"
+    assert t.choose(big, cands) == ("one", False)    # two drift rounds: quiet until scheduled
+    # a drift round that keeps the path quiets the checks as well
+    t = tune.PathTuner(trials=1, retrials=1, revisit=400, first_revisit=400)
+    assert round_({"shm-big": 2.0e-3, "one": 9.0e-3}) == "shm-big"
+    assert window("shm-big", 4.0e-3)
+    assert round_({"shm-big": 4.0e-3, "one": 9.0e-3}) == "shm-big"
+    assert t.choose(big, cands) == ("shm-big", False)
 
 
 def test_scaled_calls_are_told_apart():

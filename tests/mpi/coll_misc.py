@@ -607,6 +607,24 @@ def _():
         record(nbytes, cands, what, path, seconds * (1 if path == favourite else 100))
 
     be.tuner.record = skewed
+    # Watch settled calls every 2 calls, and let rank 0 alone find drift at every other
+    # check: every rank must start the same round of trials at the same call.
+    watch = (tune.WATCH, tune.WATCH_BYTES)
+    tune.WATCH, tune.WATCH_BYTES = 2, 1
+    alarms, checks = [], [0]
+    checked = be.tuner.checked
+
+    def counted(nbytes, cands, what, slower):
+        alarms.append(slower)
+        checked(nbytes, cands, what, slower)
+
+    def every_other(nbytes, cands, what=""):
+        checks[0] += 1
+        return checks[0] % 2 == 0
+
+    be.tuner.checked = counted
+    if r == 0:
+        be.tuner.drifted = every_other
     for i in range(calls):
         for k in sizes:
             x = np.full(k, float(r + i), dtype=np.float32)
@@ -625,6 +643,10 @@ def _():
           f"not settled on rank 0's verdicts: {settled}")
     every = hvd.allgather_object(sorted(settled.items()))
     check(all(e == every[0] for e in every), f"ranks settled differently: {every}")
+    tune.WATCH, tune.WATCH_BYTES = watch
+    every = hvd.allgather_object(alarms)
+    check(all(e == every[0] for e in every), f"ranks acted differently on drift checks: {every}")
+    check(n == 1 or (True in alarms and False in alarms), f"drift checks: {alarms}")
     if n > 1:
         check(be.shm is not None and be.shm.calls > 0, "shared memory never tried")
         check(be.shm_big is not None and be.shm_big.slot == 4194 and be.shm_big.calls > 0,

@@ -185,7 +185,7 @@ class MPIBackend:
 
     def _pick(self, nbytes: int, what: str, op: ReduceOp, postscale: float, n_contrib: int,
               kind: str) -> tuple:
-        """(path, candidates, what, trial) for the next allreduce of ``nbytes``: the same on
+        """(path, candidates, what, timed) for the next allreduce of ``nbytes``: the same on
         every rank, since every rank makes the same calls in the same order. ``what`` ("" in
         place, or "out of place") gets ", scaled" when the MPI paths need a pass over the
         result after the sum (see :meth:`_scaled`) and the segment does not, so the tuner
@@ -199,8 +199,8 @@ class MPIBackend:
             # every rank is at this same call: map the big-piece segment (collective)
             self.shm_big, self._big_slot = ShmAllreduce.open(self.comm, self._big_slot), 0
         cands = self._candidates(nbytes)
-        path, trial = self.tuner.choose(nbytes, cands, what)
-        return path, cands, what, trial
+        path, timed = self.tuner.choose(nbytes, cands, what)
+        return path, cands, what, timed
 
     def _fusion_buffer(self, dtype: np.dtype, n: int) -> np.ndarray:
         buf = self._fusion.get(dtype.str)
@@ -368,8 +368,8 @@ class MPIBackend:
         """
         if pick is None:
             pick = self._pick(work.nbytes, "", op, postscale, n_contrib, work.dtype.kind)
-        path, cands, what, trial = pick
-        t0 = time.perf_counter() if trial else 0.0
+        path, cands, what, timed = pick
+        t0 = time.perf_counter() if timed else 0.0
         if path in _SHM_PATHS:
             # (in place too, the 1/n rides on the copy into the segment)
             kind = work.dtype.kind
@@ -391,13 +391,17 @@ class MPIBackend:
                         np.copyto(part, s[lo:hi], casting="unsafe")
                 self.comm.Allreduce(MPI.IN_PLACE, part, op=mop)
                 self._finish_into(part, part, op, postscale, n_contrib)
-        if trial:
+        if timed:
             nbytes, tuner = work.nbytes, self.tuner
             tuner.record(nbytes, cands, what, path, time.perf_counter() - t0)
+            # every rank is at this same call: take rank 0's verdict, or its answer to
+            # whether the settled path has become slower
             if tuner.due(nbytes, cands, what):
-                # every rank is at this same call: take rank 0's verdict
                 best = tuner.verdict(nbytes, cands, what) if self.rank == 0 else None
                 tuner.settle(nbytes, cands, what, self.comm.bcast(best, root=0))
+            elif tuner.check_due(nbytes, cands, what):
+                slower = tuner.drifted(nbytes, cands, what) if self.rank == 0 else None
+                tuner.checked(nbytes, cands, what, self.comm.bcast(slower, root=0))
         return path
 
     def reduce_eager(self, req: Any, resp: Any, n_contrib: int) -> None:

@@ -20,7 +20,15 @@ among rank 0's own trials) and every rank settles on it. After ``REVISIT`` calls
 settled path (25 the first time, then twice as many each time up to 400: a verdict from a
 noisy moment is soon looked at again) it tries every candidate ``RETRIALS`` times again,
 since the machine's state may have changed; the settled path gives way only to one
-``MARGIN`` faster. Example,
+``MARGIN`` faster. Between rounds every settled call is timed too: each ``WATCH`` calls
+(more for small sizes, so that at least ``WATCH_BYTES`` pass between checks) the caller asks
+rank 0 whether the median of those calls is ``DRIFT`` times what the settled path gave
+(in its trials, or in any window since), and if so a round of trials starts at once, in
+which the settled path counts as slow as those calls were. The VM's state can change in
+the middle of a job: in three of eight benchmark runs (2026-11-24, sixth session) 16 MiB
+on the settled 1 MiB pieces went from 1.8-1.9 ms to 7.8-9.3 ms per call; the check
+moved them to one MPI call or shm-big (2.5-3.0 ms) within 8 calls, where before they
+stayed up to ``REVISIT`` calls. Example,
 candidates (shm, shm-big, one), TRIALS 2::
 
     calls 0-5: shm shm-big one shm shm-big one   (measured)     after call 5: verdict due
@@ -36,6 +44,9 @@ RETRIALS = 4        # calls per candidate when a settled class is looked at agai
 REVISIT = 400       # calls on the settled path before looking again (FIRST_REVISIT the
 FIRST_REVISIT = 25  # first time, then twice as many each time up to REVISIT)
 MARGIN = 0.1        # a settled path gives way only to one this much faster
+WATCH = 8           # settled calls per drift check, at least,
+WATCH_BYTES = 64 << 20  # and at least this many bytes (a check is one small broadcast)
+DRIFT = 1.4         # a settled path this much slower than it was: try every path again
 
 
 def size_class(nbytes: int) -> int:
@@ -48,15 +59,39 @@ def size_class(nbytes: int) -> int:
 
 
 class _Class:
-    __slots__ = ("plan", "left", "calls", "every", "times", "settled")
+    __slots__ = ("plan", "left", "calls", "every", "times", "settled", "ref", "seen", "watch",
+                 "alarm", "alarms", "quiet")
 
-    def __init__(self, plan: list, every: int) -> None:
+    def __init__(self, plan: list, every: int, watch: int) -> None:
         self.plan = plan          # paths still to try, in order
         self.left = len(plan)     # trials of this round not yet measured
-        self.calls = 0
-        self.every = every        # settled calls before the next round of trials            # calls on the settled path since it was settled
+        self.calls = 0            # calls on the settled path since it was settled
+        self.every = every        # settled calls before the next round of trials
         self.times: dict = {}     # path -> seconds per byte measured in this round of trials
         self.settled: Optional[str] = None
+        self.ref = float("inf")   # the settled path's least typical seconds per byte
+        self.seen: list = []      # seconds per byte of settled calls since the last check
+        self.watch = watch        # settled calls per drift check
+        self.alarm = 0.0          # > 0: this round was started by a drift check, which
+        #                           measured the settled path at this many seconds per byte
+        self.alarms = 0           # rounds started by drift checks since the last scheduled one
+        self.quiet = False        # no drift checks until the next scheduled round
+
+    def start_round(self, candidates: tuple, repeats: int, alarm: float = 0.0) -> None:
+        self.plan = list(candidates) * repeats
+        self.left, self.times, self.seen, self.calls = len(self.plan), {}, [], 0
+        self.alarm, self.alarms = alarm, self.alarms + 1 if alarm else 0
+        self.quiet = False
+
+    def typical(self, path: str) -> float:
+        """Median seconds per byte of ``path`` in this round of trials (in the first round
+        the first trial of each is left out: first touches of memory)."""
+        xs = self.times.get(path) or [float("inf")]
+        t = statistics.median(xs[1:] if self.settled is None and len(xs) > 2 else xs)
+        # in a round that a drift check started, the calls that set it off count for the
+        # settled path too: on this VM one MPI call right after the other ways' trials ran
+        # 1.2-1.5x faster than it then did call after call (16 MiB, slow launches)
+        return max(t, self.alarm) if path == self.settled else t
 
 
 class PathTuner:
@@ -68,33 +103,40 @@ class PathTuner:
         self.first_revisit = min(first_revisit, revisit)
         self.classes: dict = {}
 
+    def _get(self, nbytes: int, candidates: tuple, what: str) -> _Class:
+        return self.classes[(size_class(nbytes), candidates, what)]
+
     def choose(self, nbytes: int, candidates: tuple, what: str = "") -> tuple:
-        """``(path, trial)`` for the next call of ``nbytes``: a trial is to be measured
-        (:meth:`record`) and may make a verdict due (:meth:`due`). ``what`` keeps calls
-        that cost differently apart (an out-of-place result is one more pass over the data
-        on some paths and none on others)."""
+        """``(path, timed)`` for the next call of ``nbytes``: a timed call is to be measured
+        (:meth:`record`), after which a verdict (:meth:`due`) or a drift check
+        (:meth:`check_due`) may be due. ``what`` keeps calls that cost differently apart
+        (an out-of-place result is one more pass over the data on some paths and none on
+        others)."""
         if len(candidates) == 1:
             return candidates[0], False
         key = (size_class(nbytes), candidates, what)
         c = self.classes.get(key)
         if c is None:
-            c = self.classes[key] = _Class(list(candidates) * self.trials, self.first_revisit)
+            watch = max(WATCH, -(-WATCH_BYTES >> key[0]))
+            c = self.classes[key] = _Class([], self.first_revisit, watch)
+            c.start_round(candidates, self.trials)
         if c.plan:
             return c.plan.pop(0), True
         c.calls += 1
         if c.calls >= c.every:
-            c.calls = 0
             c.every = min(2 * c.every, self.revisit)
-            c.plan = list(candidates) * self.retrials
-            c.left = len(c.plan)
-            c.times = {}
-        return c.settled, False
+            c.start_round(candidates, self.retrials)
+            return c.plan.pop(0), True
+        return c.settled, not c.quiet
 
     def record(self, nbytes: int, candidates: tuple, what: str, path: str, seconds: float) -> None:
-        """This rank's time for a trial call."""
-        c = self.classes[(size_class(nbytes), candidates, what)]
-        c.times.setdefault(path, []).append(seconds / max(1, nbytes))
-        c.left -= 1
+        """This rank's time for a timed call: a trial, or a settled call being watched."""
+        c = self._get(nbytes, candidates, what)
+        if c.left:
+            c.times.setdefault(path, []).append(seconds / max(1, nbytes))
+            c.left -= 1
+        else:
+            c.seen.append(seconds / max(1, nbytes))
 
     def due(self, nbytes: int, candidates: tuple, what: str = "") -> bool:
         """True right after the last trial of a round: the ranks must agree on a verdict."""
@@ -102,26 +144,46 @@ class PathTuner:
         return c is not None and c.left == 0 and bool(c.times)
 
     def verdict(self, nbytes: int, candidates: tuple, what: str = "") -> str:
-        """The path with the least median time per byte in this rank's trials (in the first
-        round the first trial of each is left out: first touches of memory). A settled
+        """The path with the least median time per byte in this rank's trials. A settled
         path stays unless another is faster by ``MARGIN``: trials on this VM are noisy,
         and flapping between paths of about the same speed gains nothing."""
-        c = self.classes[(size_class(nbytes), candidates, what)]
-        first = c.settled is None
-
-        def typical(path: str) -> float:
-            xs = c.times.get(path) or [float("inf")]
-            return statistics.median(xs[1:] if first and len(xs) > 2 else xs)
-
-        best = min(candidates, key=typical)
-        if not first and typical(best) > (1 - MARGIN) * typical(c.settled):
+        c = self._get(nbytes, candidates, what)
+        best = min(candidates, key=c.typical)
+        if c.settled is not None and c.typical(best) > (1 - MARGIN) * c.typical(c.settled):
             return c.settled
         return best
 
     def settle(self, nbytes: int, candidates: tuple, what: str, path: str) -> None:
-        """Use ``path`` (rank 0's verdict) from now on."""
-        c = self.classes[(size_class(nbytes), candidates, what)]
-        c.settled, c.times, c.calls = path, {}, 0
+        """Use ``path`` (rank 0's verdict) from now on. After a round that a drift check
+        started and that kept the same path (it is slower now, and still the best), or
+        after the second such round, no more checks until the next scheduled round: a
+        false alarm costs a round of trials, and two paths each slower call after call
+        than in trials must not take turns."""
+        c = self._get(nbytes, candidates, what)
+        c.quiet = bool(c.alarm) and (path == c.settled or c.alarms >= 2)
+        c.ref = c.typical(path)
+        c.settled, c.times, c.calls, c.seen, c.alarm = path, {}, 0, [], 0.0
+
+    def check_due(self, nbytes: int, candidates: tuple, what: str = "") -> bool:
+        """True when enough settled calls were watched: the ranks must agree whether the
+        settled path has become slower (:meth:`drifted` on rank 0, then :meth:`checked`)."""
+        c = self.classes.get((size_class(nbytes), candidates, what))
+        return c is not None and c.left == 0 and len(c.seen) >= c.watch
+
+    def drifted(self, nbytes: int, candidates: tuple, what: str = "") -> bool:
+        """Whether the watched calls' median time per byte is ``DRIFT`` times what the
+        settled path gave before (the least of its trials and the windows since)."""
+        c = self._get(nbytes, candidates, what)
+        return statistics.median(c.seen) > DRIFT * c.ref
+
+    def checked(self, nbytes: int, candidates: tuple, what: str, drifted: bool) -> None:
+        """Act on rank 0's answer: try every path again at once, or watch on."""
+        c = self._get(nbytes, candidates, what)
+        if drifted:
+            c.start_round(candidates, self.retrials, alarm=statistics.median(c.seen))
+        else:
+            c.ref = min(c.ref, statistics.median(c.seen))
+            c.seen = []
 
     def settled(self) -> dict:
         """(size class, candidates, what) -> settled path (None while trying): for tests
