@@ -25,10 +25,11 @@ since the machine's state may have changed; the settled path gives way only to o
 rank 0 whether the median of those calls is ``DRIFT`` times what the settled path gave
 (in its trials, or in any window since), and if so a round of trials starts at once, in
 which the settled path counts as slow as those calls were. The VM's state can change in
-the middle of a job: in three of eight benchmark runs (2026-11-24, sixth session) 16 MiB
-on the settled 1 MiB pieces went from 1.8-1.9 ms to 7.8-9.3 ms per call; the check
-moved them to one MPI call or shm-big (2.5-3.0 ms) within 8 calls, where before they
-stayed up to ``REVISIT`` calls. Example,
+the middle of a job: in four of twenty benchmark runs with the check (2026-11-24, sixth
+session) 16 MiB calls on the settled 1 MiB pieces went from 1.7-1.9 ms to 4.6-9.3 ms, and
+the check moved them to one MPI call or shm-big (2.5-3.2 ms) after 8 such calls. Without
+it, two of twelve runs kept 64 MiB on 1 MiB pieces at ~1.0x raw bandwidth for the rest
+of the run (2.0-2.2x on shm-big). Example,
 candidates (shm, shm-big, one), TRIALS 2::
 
     calls 0-5: shm shm-big one shm shm-big one   (measured)     after call 5: verdict due
