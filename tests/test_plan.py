@@ -472,9 +472,8 @@ def test_path_tuner_tries_each_way_then_keeps_the_verdict_and_looks_again():
 def test_path_tuner_tries_again_at_once_when_the_settled_path_slows_down():
     """Between rounds of trials the settled path's calls are watched; when the median of a
     window is DRIFT times what that path gave before, the caller (with rank 0's answer)
-    starts a round of trials at once, not after up to REVISIT calls. A round that a drift
-    check started and that keeps the same path ends the checks until the next scheduled
-    round (a path that is merely slower now must not start rounds over and over)."""
+    starts a round of trials at once, not after up to REVISIT calls. Small sizes are
+    checked after WATCH_BYTES rather than WATCH calls."""
     from hvd_magic.collectives.backends import tune
 
     t = tune.PathTuner(trials=1, retrials=1, revisit=400, first_revisit=400)
