@@ -393,13 +393,13 @@ class MPIBackend:
                 self._finish_into(part, part, op, postscale, n_contrib)
         if timed:
             nbytes, tuner = work.nbytes, self.tuner
-            tuner.record(nbytes, cands, what, path, time.perf_counter() - t0)
+            due = tuner.record(nbytes, cands, what, path, time.perf_counter() - t0)
             # every rank is at this same call: take rank 0's verdict, or its answer to
             # whether the settled path has become slower
-            if tuner.due(nbytes, cands, what):
+            if due == "verdict":
                 best = tuner.verdict(nbytes, cands, what) if self.rank == 0 else None
                 tuner.settle(nbytes, cands, what, self.comm.bcast(best, root=0))
-            elif tuner.check_due(nbytes, cands, what):
+            elif due == "drift":
                 slower = tuner.drifted(nbytes, cands, what) if self.rank == 0 else None
                 tuner.checked(nbytes, cands, what, self.comm.bcast(slower, root=0))
         return path

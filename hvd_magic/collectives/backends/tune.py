@@ -63,26 +63,31 @@ class _Class:
     __slots__ = ("plan", "left", "calls", "every", "times", "settled", "ref", "seen", "watch",
                  "alarm", "alarms", "quiet")
 
-    def __init__(self, plan: list, every: int, watch: int) -> None:
-        self.plan = plan          # paths still to try, in order
-        self.left = len(plan)     # trials of this round not yet measured
-        self.calls = 0            # calls on the settled path since it was settled
+    def __init__(self, candidates: tuple, repeats: int, every: int, watch: int) -> None:
         self.every = every        # settled calls before the next round of trials
-        self.times: dict = {}     # path -> seconds per byte measured in this round of trials
         self.settled: Optional[str] = None
         self.ref = float("inf")   # the settled path's least typical seconds per byte
-        self.seen: list = []      # seconds per byte of settled calls since the last check
         self.watch = watch        # settled calls per drift check
-        self.alarm = 0.0          # > 0: this round was started by a drift check, which
-        #                           measured the settled path at this many seconds per byte
         self.alarms = 0           # rounds started by drift checks since the last scheduled one
-        self.quiet = False        # no drift checks until the next scheduled round
+        self.start_round(candidates, repeats)
 
     def start_round(self, candidates: tuple, repeats: int, alarm: float = 0.0) -> None:
-        self.plan = list(candidates) * repeats
+        self.plan = list(candidates) * repeats   # paths still to try, in order
+        # left: trials of this round not yet measured; times: path -> seconds per byte
+        # measured in this round; seen: seconds per byte of settled calls since the last
+        # check; calls: settled calls since the path was settled; alarm > 0: this round was
+        # started by a drift check, which measured the settled path at this many seconds
+        # per byte; quiet: no drift checks until the next scheduled round
         self.left, self.times, self.seen, self.calls = len(self.plan), {}, [], 0
         self.alarm, self.alarms = alarm, self.alarms + 1 if alarm else 0
         self.quiet = False
+
+    def due(self) -> str:
+        """What the ranks must agree on now: "verdict" right after the last trial of a
+        round, "drift" when enough settled calls were watched, else ""."""
+        if self.left:
+            return ""
+        return "verdict" if self.times else "drift" if len(self.seen) >= self.watch else ""
 
     def typical(self, path: str) -> float:
         """Median seconds per byte of ``path`` in this round of trials (in the first round
@@ -119,8 +124,7 @@ class PathTuner:
         c = self.classes.get(key)
         if c is None:
             watch = max(WATCH, -(-WATCH_BYTES >> key[0]))
-            c = self.classes[key] = _Class([], self.first_revisit, watch)
-            c.start_round(candidates, self.trials)
+            c = self.classes[key] = _Class(candidates, self.trials, self.first_revisit, watch)
         if c.plan:
             return c.plan.pop(0), True
         c.calls += 1
@@ -130,19 +134,23 @@ class PathTuner:
             return c.plan.pop(0), True
         return c.settled, not c.quiet
 
-    def record(self, nbytes: int, candidates: tuple, what: str, path: str, seconds: float) -> None:
-        """This rank's time for a timed call: a trial, or a settled call being watched."""
+    def record(self, nbytes: int, candidates: tuple, what: str, path: str, seconds: float) -> str:
+        """This rank's time for a timed call: a trial, or a settled call being watched.
+        Returns what the ranks must agree on now: "verdict" (:meth:`verdict` on rank 0,
+        then :meth:`settle`), "drift" (:meth:`drifted` on rank 0, then :meth:`checked`),
+        or "" (nothing)."""
         c = self._get(nbytes, candidates, what)
         if c.left:
             c.times.setdefault(path, []).append(seconds / max(1, nbytes))
             c.left -= 1
         else:
             c.seen.append(seconds / max(1, nbytes))
+        return c.due()
 
     def due(self, nbytes: int, candidates: tuple, what: str = "") -> bool:
         """True right after the last trial of a round: the ranks must agree on a verdict."""
         c = self.classes.get((size_class(nbytes), candidates, what))
-        return c is not None and c.left == 0 and bool(c.times)
+        return c is not None and c.due() == "verdict"
 
     def verdict(self, nbytes: int, candidates: tuple, what: str = "") -> str:
         """The path with the least median time per byte in this rank's trials. A settled
@@ -169,7 +177,7 @@ class PathTuner:
         """True when enough settled calls were watched: the ranks must agree whether the
         settled path has become slower (:meth:`drifted` on rank 0, then :meth:`checked`)."""
         c = self.classes.get((size_class(nbytes), candidates, what))
-        return c is not None and c.left == 0 and len(c.seen) >= c.watch
+        return c is not None and c.due() == "drift"
 
     def drifted(self, nbytes: int, candidates: tuple, what: str = "") -> bool:
         """Whether the watched calls' median time per byte is ``DRIFT`` times what the
