@@ -61,6 +61,38 @@ def test_engine_thread_only_path_at_3_ranks(tmp_path):
     assert proc.stdout.count("coll_errors OK") == 3, proc.stdout
 
 
+def test_streaming_copy_is_built_and_copies_every_byte():
+    """The C extension the shared-memory way's streaming variant uses is built by
+    ``make setup`` on this machine kind (x86-64 with gcc), and copies exactly, whatever the
+    alignment and length; wrong buffers are errors that say why."""
+    import numpy as np
+
+    from hvd_magic.collectives.backends import shm
+
+    assert shm.STREAMING == 1, "the _stream extension was not built: is gcc installed?"
+    from hvd_magic.collectives.backends._stream import copy
+    rng = np.random.default_rng(0)
+    src = rng.integers(0, 256, 5000, dtype=np.uint8)
+    for off in (0, 1, 7, 15, 16, 33):
+        for n in (0, 1, 15, 16, 63, 64, 65, 1000, 4000):
+            dst = np.zeros(5000, dtype=np.uint8)
+            copy(dst[off:off + n], src[3:3 + n])
+            assert np.array_equal(dst[off:off + n], src[3:3 + n]), (off, n)
+            assert not dst[:off].any() and not dst[off + n:].any(), (off, n)
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    b = np.empty_like(a)
+    copy(b, a)
+    assert np.array_equal(a, b)
+    with pytest.raises(ValueError, match="dst has 8 bytes and src 48"):
+        copy(np.empty(2, np.float32), a)
+    with pytest.raises(ValueError, match="contiguous"):
+        copy(np.empty(6, np.float32), a[:, ::2])
+    ro = np.empty_like(a)
+    ro.flags.writeable = False
+    with pytest.raises((ValueError, BufferError), match="writ|read-only|readonly"):
+        copy(ro, a)
+
+
 def test_result_pool_reuses_only_arrays_nobody_holds():
     """The backend's pool of result arrays (out-of-place allreduces >= 256 KiB) hands an
     array out again only when no result, view or torch tensor over it is left, and keeps at

@@ -63,9 +63,10 @@ def _env_float(name: str, default: float) -> float:
 
 def _allreduce_path() -> str:
     path = os.environ.get("HVD_MAGIC_ALLREDUCE_PATH", "auto").strip().lower() or "auto"
-    if path not in ("auto", "shm", "mpi"):
+    if path not in ("auto", "shm", "shm-stream", "mpi"):
         raise ValueError(f"HVD_MAGIC_ALLREDUCE_PATH={path!r}: use 'auto' (measure which way is "
-                         "fastest), 'shm' (shared memory on one host) or 'mpi' (MPI calls only)")
+                         "fastest), 'shm' (shared memory on one host), 'shm-stream' (the same, "
+                         "written with streaming stores) or 'mpi' (MPI calls only)")
     return path
 
 
@@ -79,7 +80,7 @@ class Config:
     cache_capacity: int = 1024            # announcements remembered per rank; 0: no caching
     shm_min: int = 128 * 1024             # allreduces this big may go through shared memory; -1: never
     shm_big_slot: int = 16 * 1024 * 1024  # the shared-memory way in big pieces (tune.py); 0: never
-    allreduce_path: str = "auto"          # auto (measured per size), shm, mpi
+    allreduce_path: str = "auto"          # auto (measured per size), shm, shm-stream, mpi
     stall_check_s: float = 60.0          # 0 disables the warning
     stall_shutdown_s: float = 0.0        # 0: never fail stalled requests
     cpu_operations: str = "mpi"

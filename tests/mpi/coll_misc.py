@@ -14,6 +14,7 @@ import numpy as np
 from mpi4py import MPI
 
 import hvd_magic.collectives as hvd
+from hvd_magic.collectives.backends.shm import STREAMING
 
 TMP = sys.argv[1]
 EAGER = os.environ.get("HVD_MAGIC_EAGER") == "1"   # small allreduces ride in the negotiation
@@ -459,17 +460,19 @@ def _():
     with_env(HOROVOD_FUSION_THRESHOLD=None)
 
 
-def chunked_allreduces(shm: bool):
-    # Big allreduces run as several MPI calls (shm False) or through the shared-memory
-    # segment in slots of the chunk size (shm True); every rank must cut at the same places,
+def chunked_allreduces(way: str):
+    # Big allreduces run as several MPI calls (way "mpi") or through the shared-memory
+    # segment in slots of the chunk size ("shm"; "shm-stream": the same, each rank's input
+    # written with streaming stores); every rank must cut at the same places,
     # so rank 0's HVD_MAGIC_ALLREDUCE_CHUNK_MB holds even when another rank's differs. A chunk
     # of 104 bytes (26 float32, 13 float64) puts boundaries inside every tensor below.
+    shm = way != "mpi"
     hvd.shutdown()
     # (the other settings every rank must share get rank 0's values the same way)
     with_env(HVD_MAGIC_ALLREDUCE_CHUNK_MB="0.0001" if r == 0 else "5",
              HOROVOD_FUSION_THRESHOLD="1048576" if r == 0 else "0",
              HOROVOD_CACHE_CAPACITY="7" if r == 0 else "0",
-             HVD_MAGIC_ALLREDUCE_PATH=("shm" if shm else "mpi") if r == 0 else ("mpi" if shm else "shm"),
+             HVD_MAGIC_ALLREDUCE_PATH=way if r == 0 else ("mpi" if shm else "shm"),
              HVD_MAGIC_SHM_MIN_KB="0" if r == 0 else "100000")
     hvd.init()
     from hvd_magic.collectives import state
@@ -536,7 +539,8 @@ def chunked_allreduces(shm: bool):
             check([f"mix{i}"] in calls, f"mix{i} not alone in one call: {calls}")
         # the timeline says which way the data went
         ways = {e["args"].get("path") for e in xevents(load_timeline(path), "MPI_ALLREDUCE")}
-        check(ways == ({"shm"} if shm and n > 1 else {"chunks", "one"}), f"paths on the timeline: {ways}")
+        want = {way if STREAMING or way == "shm" else "shm"} if shm and n > 1 else {"chunks", "one"}
+        check(ways == want, f"paths on the timeline: {ways}")
     if seg is not None:
         # every rank computes the whole result from the same slots in the same order: the
         # results are the same bits everywhere, also for sums that round
@@ -556,12 +560,17 @@ def chunked_allreduces(shm: bool):
 
 @section("big allreduces cut into chunks: MPI calls")
 def _():
-    chunked_allreduces(shm=False)
+    chunked_allreduces("mpi")
 
 
 @section("big allreduces cut into chunks: shared memory")
 def _():
-    chunked_allreduces(shm=True)
+    chunked_allreduces("shm")
+
+
+@section("big allreduces cut into chunks: shared memory written with streaming stores")
+def _():
+    chunked_allreduces("shm-stream")
 
 
 @section("no shared-memory segment to be had")
@@ -651,8 +660,10 @@ def _():
         check(be.shm is not None and be.shm.calls > 0, "shared memory never tried")
         check(be.shm_big is not None and be.shm_big.slot == 4194 and be.shm_big.calls > 0,
               f"shared memory in big pieces never tried: {be.shm_big}")
-        check(be._candidates(4 * 3000) == ("shm", "shm-big", "one"),
-              f"candidates {be._candidates(4 * 3000)}")
+        want = ("shm", "shm-big") + ("shm-stream",) * STREAMING + ("one",)
+        check(be._candidates(4 * 3000) == want, f"candidates {be._candidates(4 * 3000)}")
+        if STREAMING:
+            check(be._candidates(1040) == ("shm", "shm-stream", "one"), f"candidates {be._candidates(1040)}")
     else:
         check(be.shm_big is None and be._candidates(4 * 3000) == ("chunks", "one"),
               f"one rank: {be.shm_big}, {be._candidates(4 * 3000)}")

@@ -15,7 +15,7 @@ from .. import ops
 from ..ops import ReduceOp
 from ..timeline import MEMCPY_IN, MEMCPY_OUT, now_us
 from .common import chunk_spans, displacements, post_factor, row_elems, scatter_rows
-from .shm import ShmAllreduce
+from .shm import STREAMING, ShmAllreduce
 from .tune import PathTuner
 
 _MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.AVERAGE: MPI.SUM, ReduceOp.MIN: MPI.MIN,
@@ -56,7 +56,7 @@ def _dtypes(name: str) -> tuple:
 
 
 _ONE = ("one",)
-_SHM_PATHS = ("shm", "shm-big")
+_SHM_PATHS = ("shm", "shm-big", "shm-stream")
 
 #: Out-of-place allreduces up to this size run in the persistent buffer (kept per dtype).
 _PERSIST_MAX = 64 * 1024 * 1024
@@ -136,7 +136,8 @@ class MPIBackend:
         """``shm_min`` >= 0 (every rank on one host, collective): allreduces of at least
         that many bytes may go through a shared-memory segment (``shm.py``); -1: never.
         ``path`` (HVD_MAGIC_ALLREDUCE_PATH): ``auto`` measures which way is fastest per
-        size (``tune.py``), ``shm`` always takes the segment when it may, ``mpi`` never.
+        size (``tune.py``), ``shm`` always takes the segment when it may (``shm-stream``: the
+        same, written with streaming stores where this build has them), ``mpi`` never.
         ``big_slot`` > the segment's slot (``auto`` only): allreduces bigger than a slot may
         also go through a second segment in pieces of up to ``big_slot`` bytes (``shm-big``),
         mapped at the first such allreduce."""
@@ -157,13 +158,15 @@ class MPIBackend:
         # (a slot size still to be mapped, 0 once mapped or when there is none to map)
         self._big_slot = (big_slot if self.shm is not None and path == "auto"
                           and big_slot > self.shm.slot else 0)
+        # the segment with streaming stores (``_stream.c``): one more way for the tuner
+        self._stream = ("shm-stream",) if STREAMING and path == "auto" else ()
 
     def _candidates(self, nbytes: int) -> tuple:
         """The ways an allreduce of ``nbytes`` may move its data (see ``tune.py``)."""
         shm = self.shm is not None and nbytes >= self.shm_min and self.path != "mpi"
         chunks = 0 < self.chunk < nbytes
-        if shm and self.path == "shm":
-            return ("shm",)
+        if shm and self.path in ("shm", "shm-stream"):
+            return ("shm-stream",) if self.path == "shm-stream" and STREAMING else ("shm",)
         if self.path != "auto":
             return ("chunks",) if chunks else ("one",)
         if self.shm_big is not None and self._big_applies(nbytes):
@@ -171,8 +174,8 @@ class MPIBackend:
             # at 64 MiB in place they gave 1.25-2.46x raw bandwidth, big pieces 2.07-2.15x,
             # and at 16 MiB they lose to one MPI call, 4.2-6.5 ms against 2.5-3.8; one way
             # fewer to try each round)
-            return ("shm", "shm-big", "one")
-        return ("shm",) * shm + ("chunks",) * chunks + ("one",)
+            return ("shm", "shm-big") + self._stream + ("one",)
+        return ("shm",) * shm + self._stream * shm + ("chunks",) * chunks + ("one",)
 
     def _big_applies(self, nbytes: int) -> bool:
         """Whether an allreduce of ``nbytes`` may go in big pieces (``shm-big``), given
@@ -371,14 +374,19 @@ class MPIBackend:
         path, cands, what, timed = pick
         t0 = time.perf_counter() if timed else 0.0
         if path in _SHM_PATHS:
-            # (in place too, the 1/n rides on the copy into the segment)
             kind = work.dtype.kind
-            op, pre = self._fold(op, pre, n_contrib, kind)
-            seg = self.shm if path == "shm" else self.shm_big
+            stream = path == "shm-stream"
+            if not stream:      # (in place too, the 1/n rides on the copy into the segment)
+                op, pre = self._fold(op, pre, n_contrib, kind)
+            elif pre != 1.0 and op == ReduceOp.SUM and kind == "f":
+                # a streaming copy cannot scale: the factor (an out-of-place Average's 1/n)
+                # rides on the pass over the result instead
+                postscale, pre = postscale * pre, 1.0
+            seg = self.shm_big if path == "shm-big" else self.shm
             seg.allreduce(work, work if src is None else src, _UFUNCS[(op, kind == "b")],
                           (lambda dst, res: self._finish_into(dst, res, op, postscale, n_contrib))
                           if self._scaled(op, postscale, n_contrib, kind) else None,
-                          pre)
+                          pre, stream)
         else:
             flat = work.reshape(-1)
             s = src.reshape(-1) if src is not None and (pre != 1.0 or src is not work) else None

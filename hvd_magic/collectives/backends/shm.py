@@ -54,6 +54,11 @@ import numpy as np
 
 from .common import chunk_spans
 
+try:    # streaming copies (``_stream.c``), built by pip where there is a C compiler
+    from ._stream import STREAMING, copy as _stream_copy
+except ImportError:  # pragma: no cover - a build without the extension
+    STREAMING, _stream_copy = 0, None
+
 
 def chunk_plan(n_elems: int, itemsize: int, slot: int) -> list:
     """The chunks ``[lo, hi)`` an ``n_elems`` buffer is reduced in: at most ``slot``
@@ -152,13 +157,16 @@ class ShmAllreduce:
 
     def allreduce(self, work: np.ndarray, src: np.ndarray, ufunc: Callable,
                   finish_into: Optional[Callable[[np.ndarray, np.ndarray], None]],
-                  pre: float = 1.0) -> None:
+                  pre: float = 1.0, stream: bool = False) -> None:
         """``work`` := ``finish_into``(reduction by ``ufunc`` of every rank's ``src * pre``).
 
         ``work`` and ``src`` are contiguous and of one dtype; ``src`` may be ``work`` (in
         place). ``finish_into(dst, res)`` (called with ``dst is res``) averages and
         post-scales a chunk in place while it is in cache; None: nothing to finish. A float
-        Average is cheaper as a Sum with ``pre`` = 1/n: the scaling rides on the copy in."""
+        Average is cheaper as a Sum with ``pre`` = 1/n: the scaling rides on the copy in.
+        ``stream`` (with ``pre`` 1, and where ``STREAMING``): this rank's input goes into
+        the segment with streaming stores, so the other ranks read it from memory rather
+        than from this core's cache (faster in the VM's slow launches, see ``_stream.c``)."""
         w = work.reshape(-1)
         s = src.reshape(-1)
         dt = w.dtype
@@ -177,6 +185,8 @@ class ShmAllreduce:
             mine = s[lo:hi]
             if pre != 1.0:
                 np.multiply(mine, pre, out=slots[r], casting="unsafe")
+            elif stream:
+                _stream_copy(slots[r], mine)
             else:
                 slots[r][...] = mine
             barrier()
