@@ -13,7 +13,9 @@ What it measures (numpy float32 throughout):
   (``comm.Allreduce(x, out, SUM)`` into a reused buffer, then ``out *= 1/n``; its ratio to
   the in-place raw Sum is printed too); raw out of place into a fresh buffer is shown for
   reference only; where the data may go through shared memory (>= 128 KiB),
-  also the in-place Sum through MPI calls only (``HVD_MAGIC_ALLREDUCE_PATH=mpi``), and
+  also the in-place Sum through MPI calls only (``HVD_MAGIC_ALLREDUCE_PATH=mpi``), through
+  shared memory only (``shm``) and through shared memory written with streaming stores
+  (``shm-stream``), and
   above the allreduce chunk (1 MiB) as one MPI call per buffer
   (``HVD_MAGIC_ALLREDUCE_CHUNK_MB=0`` too), to show what each gives, and the path the
   runtime settled on per size;
@@ -52,6 +54,7 @@ from mpi4py import MPI
 
 import hvd_magic.collectives as hvd
 from hvd_magic.collectives import state as hvd_state
+from hvd_magic.collectives.backends.shm import STREAMING
 from hvd_magic.collectives.backends.tune import size_class
 
 KiB, MiB = 1024, 1024 * 1024
@@ -182,13 +185,13 @@ class Bench:
             backend = hvd_state.engine().mpi_backend
             chunk, path = backend.chunk, backend.path
 
-            def hvd_mpi_path(one_call: bool):
+            def hvd_path(way: str, one_call: bool = False):
                 def run():
-                    # in place Sum with the data through MPI calls, as with
-                    # HVD_MAGIC_ALLREDUCE_PATH=mpi (and one MPI call per buffer, as with
-                    # HVD_MAGIC_ALLREDUCE_CHUNK_MB=0 too); every rank switches at the same
-                    # point of the interleaving
-                    backend.path = "mpi"
+                    # in place Sum with the data moved one way, as with
+                    # HVD_MAGIC_ALLREDUCE_PATH=way (mpi: MPI calls; with one_call, one MPI call
+                    # per buffer, as with HVD_MAGIC_ALLREDUCE_CHUNK_MB=0 too); every rank
+                    # switches at the same point of the interleaving
+                    backend.path = way
                     if one_call:
                         backend.chunk = 0
                     try:
@@ -198,9 +201,12 @@ class Bench:
                 return run
 
             if "shm" in backend._candidates(nbytes):
-                variants["hvd_sum_mpi"] = hvd_mpi_path(False)
+                variants["hvd_sum_mpi"] = hvd_path("mpi")
+                variants["hvd_sum_shm"] = hvd_path("shm")
+                if STREAMING:
+                    variants["hvd_sum_stream"] = hvd_path("shm-stream")
             if nbytes > chunk > 0:
-                variants["hvd_sum_1call"] = hvd_mpi_path(True)
+                variants["hvd_sum_1call"] = hvd_path("mpi", one_call=True)
             if nbytes <= MiB or self.args.oop_all:
                 # a fresh 16/64 MiB buffer per call disturbs the neighbouring measurements
                 variants["raw_oop"] = raw_oop
@@ -208,7 +214,7 @@ class Bench:
             s = self.interleave(variants, rounds, calls)
             # (the variants some sizes leave out)
             med = dict.fromkeys(("raw_oop", "raw_other", "hvd_sum_1call", "hvd_sum_named",
-                                 "hvd_sum_mpi"), float("nan"))
+                                 "hvd_sum_mpi", "hvd_sum_shm", "hvd_sum_stream"), float("nan"))
             med.update({k: statistics.median(v) for k, v in s.items()})
             chosen = {what or "in place": p for (c, cands, what), p in backend.tuner.settled().items()
                       if c == size_class(nbytes) and "shm" in cands and p}
@@ -336,7 +342,11 @@ def report(res: dict, args) -> list:
     for key, label in (("hvd_sum_mpi", "in place Sum with the data through MPI calls "
                                        "(HVD_MAGIC_ALLREDUCE_PATH=mpi)"),
                        ("hvd_sum_1call", "in place Sum as one MPI call per buffer (HVD_MAGIC_ALLREDUCE_PATH=mpi, "
-                                         "HVD_MAGIC_ALLREDUCE_CHUNK_MB=0)")):
+                                         "HVD_MAGIC_ALLREDUCE_CHUNK_MB=0)"),
+                       ("hvd_sum_shm", "in place Sum through shared memory in pieces of the chunk "
+                                       "(HVD_MAGIC_ALLREDUCE_PATH=shm)"),
+                       ("hvd_sum_stream", "in place Sum through shared memory written with streaming "
+                                          "stores (HVD_MAGIC_ALLREDUCE_PATH=shm-stream)")):
         rows = [r for r in res["sizes"] if r[f"{key}_s"] == r[f"{key}_s"]]
         if rows:
             p(f"{label}, same run: " + ", ".join(
