@@ -162,8 +162,9 @@ class ShmAllreduce:
 
         ``work`` and ``src`` are contiguous and of one dtype; ``src`` may be ``work`` (in
         place). ``finish_into(dst, res)`` (called with ``dst is res``) averages and
-        post-scales a chunk in place while it is in cache; None: nothing to finish. A float
-        Average is cheaper as a Sum with ``pre`` = 1/n: the scaling rides on the copy in.
+        post-scales a chunk in place while it is in cache; None: nothing to finish. Scale
+        there rather than with ``pre`` where the op allows (a float Sum or Average): a
+        scaling copy into the segment costs ~3x a plain one at 1 MiB here (``mpi.py``).
         ``stream`` (with ``pre`` 1, and where ``STREAMING``): this rank's input goes into
         the segment with streaming stores, so the other ranks read it from memory rather
         than from this core's cache (faster in the VM's slow launches, see ``_stream.c``)."""
