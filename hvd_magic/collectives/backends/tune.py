@@ -1,16 +1,20 @@
 """Which way a big allreduce moves its data: chosen by measuring, the same on every rank.
 
 On one host a big CPU allreduce can go these ways: through the shared-memory segment in
-pieces of ``HVD_MAGIC_ALLREDUCE_CHUNK_MB`` (``shm``), through a second segment in pieces of
-up to ``HVD_MAGIC_SHM_BIG_MB`` (``shm-big``, above the chunk), as MPI calls of the chunk
-(``chunks``, where there is no segment), or as one MPI call (``one``). Which is fastest
-depends on the size and on the machine's state, which on this 2-core VM changes from launch
-to launch (``benchmarks/README.md``, 2026-11-24): in most launches ``shm`` is fastest at
-every size (16 MiB at 2 ranks: 2.4 ms, chunks 3.4, one call 3.0), in others cache-to-cache
-traffic between the cores is ~4x slower; then 1 MiB pieces are the slowest way and whole
-pieces, read from the shared cache rather than the other core's, the fastest above 1 MiB
-(in place, one job, five such launches: 16 MiB shm 7.3-11.0 ms, shm-big 2.4-3.3, one call
-3.1-3.9; 64 MiB shm 30.6-33.1, shm-big 10.4-11.5, chunks 9.6-19.6, one call 25.0-26.2).
+pieces of ``HVD_MAGIC_ALLREDUCE_CHUNK_MB`` (``shm``), the same with each rank's input written
+with streaming stores (``shm-stream``, where the ``_stream`` extension is built), through a
+second segment in pieces of up to ``HVD_MAGIC_SHM_BIG_MB`` (``shm-big``, above the chunk),
+as MPI calls of the chunk (``chunks``, where there is no segment), or as one MPI call
+(``one``). Which is fastest depends on the size and on the machine's state, which on this
+2-core VM changes from launch to launch (``benchmarks/README.md``, 2026-11-24): in most
+launches ``shm`` is fastest at every size (16 MiB at 2 ranks: 2.4 ms, chunks 3.4, one call
+3.0), in others cache-to-cache traffic between the cores is ~4x slower; then 1 MiB pieces
+are the slowest way and pieces read from memory the fastest: ``shm-stream`` (seventh
+session, same job: 1 MiB 0.11 ms against 0.54 for shm and 0.57 for raw MPI; 16 MiB
+1.7-2.0 ms against 7.6-8.1 for shm and 5.3-5.9 for 1 MiB MPI calls), and before it whole
+pieces read from the shared cache (in place, one job, five such launches: 16 MiB shm
+7.3-11.0 ms, shm-big 2.4-3.3, one call 3.1-3.9; 64 MiB shm 30.6-33.1, shm-big 10.4-11.5,
+chunks 9.6-19.6, one call 25.0-26.2).
 
 :class:`PathTuner` is pure (no communication, no clock): every rank keeps one and feeds it
 the same calls in the same order, so every rank asks for the same path at the same call.
