@@ -63,13 +63,19 @@ def test_engine_thread_only_path_at_3_ranks(tmp_path):
 
 def test_streaming_copy_is_built_and_copies_every_byte():
     """The C extension the shared-memory way's streaming variant uses is built by
-    ``make setup`` on this machine kind (x86-64 with gcc), and copies exactly, whatever the
-    alignment and length; wrong buffers are errors that say why."""
+    ``make setup`` wherever there is a C compiler (x86-64 here), and copies exactly, whatever
+    the alignment and length; wrong buffers are errors that say why."""
+    import platform
+    import shutil
+
     import numpy as np
 
     from hvd_magic.collectives.backends import shm
 
-    assert shm.STREAMING == 1, "the _stream extension was not built: is gcc installed?"
+    if not shm.STREAMING and not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler: the optional _stream extension is not built here")
+    if platform.machine() in ("x86_64", "AMD64"):
+        assert shm.STREAMING == 1, "a C compiler is here, but the _stream extension was not built"
     from hvd_magic.collectives.backends._stream import copy
     rng = np.random.default_rng(0)
     src = rng.integers(0, 256, 5000, dtype=np.uint8)
