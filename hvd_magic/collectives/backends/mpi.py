@@ -191,9 +191,9 @@ class MPIBackend:
         """(path, candidates, what, timed) for the next allreduce of ``nbytes``: the same on
         every rank, since every rank makes the same calls in the same order. ``what`` ("" in
         place, or "out of place") gets ", scaled" when the MPI paths need a pass over the
-        result after the sum (see :meth:`_scaled`) and the segment does not, so the tuner
-        keeps those calls apart (16 MiB Average in place, one run: 1 MiB MPI calls 3.16 ms
-        against 2.42 for Sum, shared memory 2.53 for both)."""
+        result after the sum (see :meth:`_scaled`), so the tuner keeps those calls apart
+        (16 MiB Average in place, one run: 1 MiB MPI calls 3.16 ms against 2.42 for Sum,
+        shared memory 2.53 for both)."""
         if self._small(nbytes):
             return "one", _ONE, what, False       # small: no choice (every small allreduce)
         if self._scaled(op, postscale, n_contrib, kind):
@@ -308,6 +308,7 @@ class MPIBackend:
                 self._finish_into(target, target, op, post, n_contrib)
             return target, "one"
         # Copying the input in (out of place), a float Average takes its 1/n on the way
+        # (the shared-memory ways move it after the sum instead: _chunked_allreduce)
         folded, pre = self._fold(op, ann0.prescale, n_contrib, red.kind)
         if target is None and self._small(src.nbytes):
             # a small result: a fresh array, scaled while copied in, reduced in place (no
@@ -446,8 +447,8 @@ class MPIBackend:
 
     @staticmethod
     def _fold(op: ReduceOp, pre: float, n_contrib: int, kind: str) -> tuple:
-        """``(op, pre)`` for inputs copied into a buffer before the sum: a float Average is
-        a Sum of inputs scaled by 1/n on their way in, with no pass over the result after."""
+        """``(op, pre)`` for inputs copied into a buffer before an MPI sum: a float Average
+        is a Sum of inputs scaled by 1/n on their way in, with no pass over the result after."""
         if kind == "f" and op == ReduceOp.AVERAGE:
             return ReduceOp.SUM, pre / n_contrib
         return op, pre
