@@ -24,11 +24,12 @@ among rank 0's own trials) and every rank settles on it. After ``REVISIT`` calls
 settled path (25 the first time, then twice as many each time up to 400: a verdict from a
 noisy moment is soon looked at again) it tries every candidate ``RETRIALS`` times again,
 since the machine's state may have changed; the settled path gives way only to one
-``MARGIN`` faster. Between rounds every settled call is timed too: each ``WATCH`` calls
-(more for small sizes, so that at least ``WATCH_BYTES`` pass between checks) the caller asks
-rank 0 whether the median of those calls is ``DRIFT`` times what the settled path gave
-(in its trials, or in any window since), and if so a round of trials starts at once, in
-which the settled path counts as slow as those calls were. The VM's state can change in
+``MARGIN`` faster. Between rounds settled calls are timed too: each ``WATCH`` calls
+(more for small sizes, so that at least ``WATCH_BYTES`` pass between checks; of those, only
+``WATCH`` evenly spaced ones are timed) the caller asks rank 0 whether the median of the
+timed calls is ``DRIFT`` times what the settled path gave (in its trials, or in any window
+since), and if so a round of trials starts at once, in which the settled path counts as
+slow as those calls were. The VM's state can change in
 the middle of a job: in four of twenty benchmark runs with the check (2026-11-24, sixth
 session) 16 MiB calls on the settled 1 MiB pieces went from 1.7-1.9 ms to 4.6-9.3 ms, and
 the check moved them to one MPI call or shm-big (2.5-3.2 ms) after 8 such calls. Without
@@ -65,13 +66,17 @@ def size_class(nbytes: int) -> int:
 
 class _Class:
     __slots__ = ("plan", "left", "calls", "every", "times", "settled", "ref", "seen", "watch",
-                 "alarm", "alarms", "quiet")
+                 "stride", "alarm", "alarms", "quiet")
 
     def __init__(self, candidates: tuple, repeats: int, every: int, watch: int) -> None:
         self.every = every        # settled calls before the next round of trials
         self.settled: Optional[str] = None
         self.ref = float("inf")   # the settled path's least typical seconds per byte
         self.watch = watch        # settled calls per drift check
+        # of which every stride-th is timed: WATCH of them. Timing and recording a call
+        # costs ~1 us of Python, 1-2% of a 1 MiB call; a median of WATCH calls is what
+        # the big sizes' checks use anyway
+        self.stride = max(1, watch // WATCH)
         self.alarms = 0           # rounds started by drift checks since the last scheduled one
         self.start_round(candidates, repeats)
 
@@ -91,7 +96,7 @@ class _Class:
         round, "drift" when enough settled calls were watched, else ""."""
         if self.left:
             return ""
-        return "verdict" if self.times else "drift" if len(self.seen) >= self.watch else ""
+        return "verdict" if self.times else "drift" if len(self.seen) >= WATCH else ""
 
     def typical(self, path: str) -> float:
         """Median seconds per byte of ``path`` in this round of trials (in the first round
@@ -136,7 +141,7 @@ class PathTuner:
             c.every = min(2 * c.every, self.revisit)
             c.start_round(candidates, self.retrials)
             return c.plan.pop(0), True
-        return c.settled, not c.quiet
+        return c.settled, not c.quiet and c.calls % c.stride == 0
 
     def record(self, nbytes: int, candidates: tuple, what: str, path: str, seconds: float) -> str:
         """This rank's time for a timed call: a trial, or a settled call being watched.
