@@ -569,6 +569,48 @@ def test_path_tuner_drift_rounds_count_the_slow_calls_and_end_in_quiet():
     assert t.choose(big, cands) == ("shm-big", False)
 
 
+def test_path_tuner_looks_again_soon_after_a_drift_round_that_changed_the_path():
+    """A path that won a round which a drift check started may have won only because the
+    old one counted as slow as a passing bad moment: the next round comes after
+    FIRST_REVISIT calls, not after as many as the schedule had reached."""
+    from hvd_magic.collectives.backends import tune
+
+    t = tune.PathTuner(trials=1, retrials=1, revisit=400, first_revisit=5)
+    cands = ("shm", "shm-stream")
+    big = 64 << 20
+    cost = {"shm": 8e-3, "shm-stream": 12e-3}
+
+    def call(shm_slow=1.0):
+        path, timed = t.choose(big, cands)
+        if timed:   # (what the MPI backend does, with this rank standing for rank 0)
+            due = t.record(big, cands, "", path, cost[path] * (shm_slow if path == "shm" else 1))
+            if due == "verdict":
+                t.settle(big, cands, "", t.verdict(big, cands))
+            elif due == "drift":
+                t.checked(big, cands, "", t.drifted(big, cands))
+        return path
+
+    def calls_before(path, shm_slow=1.0):
+        n = 0
+        while call(shm_slow) != path:
+            n += 1
+        return n
+
+    assert [call() for _ in range(2)] == list(cands)
+    assert t.settled()[(26, cands, "")] == "shm"
+    # scheduled rounds after 5, 10, 20, 40 calls: the settled calls and the round's shm
+    # trial come before its shm-stream trial
+    assert [calls_before("shm-stream") for _ in range(4)] == [5, 10, 20, 40]
+    # a window of WATCH slow shm calls: a round at once, in which shm counts as slow as
+    # that window, so shm-stream wins it
+    assert [call(shm_slow=3.0) for _ in range(tune.WATCH + 2)] == ["shm"] * (tune.WATCH + 1) + ["shm-stream"]
+    assert t.settled()[(26, cands, "")] == "shm-stream"
+    # shm is fast again: tried after FIRST_REVISIT calls (not after the schedule's 80), and
+    # it wins back
+    assert calls_before("shm") == 4
+    assert call() == "shm-stream" and t.settled()[(26, cands, "")] == "shm"
+
+
 def test_scaled_calls_are_told_apart():
     """After an MPI sum, Average (1/n), a postscale or an integer Average is one more pass
     over the result; the shared-memory path does it while copying out. Such calls get a

@@ -22,7 +22,8 @@ Per size class (a power of two) it first tries each candidate ``TRIALS`` times i
 then the caller broadcasts rank 0's verdict (the path with the least median time per byte
 among rank 0's own trials) and every rank settles on it. After ``REVISIT`` calls on the
 settled path (25 the first time, then twice as many each time up to 400: a verdict from a
-noisy moment is soon looked at again) it tries every candidate ``RETRIALS`` times again,
+noisy moment is soon looked at again, and so is one from a round that a drift check
+started and that changed the path) it tries every candidate ``RETRIALS`` times again,
 since the machine's state may have changed; the settled path gives way only to one
 ``MARGIN`` faster. Between rounds settled calls are timed too: each ``WATCH`` calls
 (more for small sizes, so that at least ``WATCH_BYTES`` pass between checks; of those, only
@@ -179,6 +180,12 @@ class PathTuner:
         than in trials must not take turns."""
         c = self._get(nbytes, candidates, what)
         c.quiet = bool(c.alarm) and (path == c.settled or c.alarms >= 2)
+        if c.alarm and path != c.settled:
+            # the new path may owe its win to a passing slow moment of the old one (the
+            # window that set the check off, which the old path counts as): look again
+            # soon, not after up to REVISIT calls (2026-11-24, eighth session: after such a
+            # round, 1 MiB stayed on shm-stream at 0.90x raw bandwidth against 1.32x for shm)
+            c.every = self.first_revisit
         c.ref = c.typical(path)
         c.settled, c.times, c.calls, c.seen, c.alarm = path, {}, 0, [], 0.0
 
