@@ -469,6 +469,20 @@ def test_path_tuner_tries_each_way_then_keeps_the_verdict_and_looks_again():
     assert [t.choose(mb, cands) for _ in range(6)] == [("one", False)] * 5 + [("shm", True)]
 
 
+def _tuned_call(t, nbytes: int, cands: tuple, cost: dict, shm_slow: float = 1.0) -> str:
+    """One in-place call as the MPI backend makes it, this rank standing for rank 0: the
+    tuner's path, and for a timed call its time (``cost[path]``, times ``shm_slow`` for
+    shm) recorded and a verdict or drift check acted on. Returns the path taken."""
+    path, timed = t.choose(nbytes, cands)
+    if timed:
+        due = t.record(nbytes, cands, "", path, cost[path] * (shm_slow if path == "shm" else 1.0))
+        if due == "verdict":
+            t.settle(nbytes, cands, "", t.verdict(nbytes, cands))
+        elif due == "drift":
+            t.checked(nbytes, cands, "", t.drifted(nbytes, cands))
+    return path
+
+
 def test_path_tuner_tries_again_at_once_when_the_settled_path_slows_down():
     """Between rounds of trials the settled path's calls are watched; when the median of a
     window is DRIFT times what that path gave before, the caller (with rank 0's answer)
@@ -482,14 +496,7 @@ def test_path_tuner_tries_again_at_once_when_the_settled_path_slows_down():
     cost = {"shm": 8e-3, "shm-big": 11e-3, "one": 25e-3}
 
     def call(slow=1.0):
-        path, timed = t.choose(big, cands)
-        if timed:   # (what the MPI backend does, with this rank standing for rank 0)
-            due = t.record(big, cands, "", path, cost[path] * (slow if path == "shm" else 1.0))
-            if due == "verdict":
-                t.settle(big, cands, "", t.verdict(big, cands))
-            elif due == "drift":
-                t.checked(big, cands, "", t.drifted(big, cands))
-        return path
+        return _tuned_call(t, big, cands, cost, slow)
 
     assert [call() for _ in range(3)] == list(cands)
     assert t.settled()[(26, cands, "")] == "shm"
@@ -581,14 +588,7 @@ def test_path_tuner_looks_again_soon_after_a_drift_round_that_changed_the_path()
     cost = {"shm": 8e-3, "shm-stream": 12e-3}
 
     def call(shm_slow=1.0):
-        path, timed = t.choose(big, cands)
-        if timed:   # (what the MPI backend does, with this rank standing for rank 0)
-            due = t.record(big, cands, "", path, cost[path] * (shm_slow if path == "shm" else 1))
-            if due == "verdict":
-                t.settle(big, cands, "", t.verdict(big, cands))
-            elif due == "drift":
-                t.checked(big, cands, "", t.drifted(big, cands))
-        return path
+        return _tuned_call(t, big, cands, cost, shm_slow)
 
     def calls_before(path, shm_slow=1.0):
         n = 0
