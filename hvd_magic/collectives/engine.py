@@ -124,6 +124,11 @@ class Engine:
         self.codec = AnnCodec(self.size, self.rank, cap=config.cache_capacity)
         self._codec_resets = 0
         self._sent: list = []        # the Anns of this rank's latest message
+        # Cycles taken from the cycle cache that held one allreduce of this rank, by its Ann
+        # (unnamed: all but the name): (the message bytes, every rank's bytes, the decision,
+        # the codec's resets then, the codec moves to replay or None). See _fast_cycle.
+        self._fast: dict = {}
+        self.fast_cycles = 0         # cycles run that way (tests read it)
         self.cycle_cache = CycleCache(cap=min(256, config.cache_capacity))
         # The engine thread sleeps on ``_bell`` (a lock used as a doorbell: released = rung).
         # Plain locks are C-level and release the GIL while blocked, keeping hand-offs cheap.
@@ -404,7 +409,10 @@ class Engine:
             if self._px is None:
                 if not self._has_news():
                     return
-                self._post_exchange(self._take_message())
+                if self._fast and self._fast_cycle():
+                    return
+                if self._px is None:
+                    self._post_exchange(self._take_message())
             req = self._px[0]
             if not req.Test():
                 t0 = time.perf_counter()
@@ -421,6 +429,76 @@ class Engine:
                 self._ring()
             _restore_sigint(deferred)
 
+    def _fast_cycle(self) -> bool:
+        """The cycle of a lone blocking allreduce that recurs (a training loop's steady
+        state), in fewer steps; the caller holds the cycle lock and ``_px`` is None. False:
+        not such a cycle, or its exchange posted (the caller finishes it); True: done, or
+        posted for the engine thread to finish.
+
+        The same steps as the usual way (``_take_message``, ``_post_exchange``,
+        ``_finish_exchange``, ``_after_exchange``) where the message is the one request's
+        and every rank's bytes are those of a cycle taken from the cycle cache before with
+        this one allreduce (``_fast``): then the decision is that cycle's, as the cache
+        would give it. Anything else (other bytes from any rank, codec counters that no
+        longer pair) goes on the usual way from the step it got to. At 2 ranks, 4 KiB:
+        3-4 us less a call (benchmarks/README.md, ninth session)."""
+        new = self._new
+        if (len(new) != 1 or self._cancels or self._join_announce or self._shutdown_announce
+                or self._eager_max or self.tl.active or self.tl._rec or self.neg.busy):
+            return False
+        a = new[0].ann
+        f = self._fast.get(a if ".noname." not in a[0] else a[1:])
+        if f is None or f[3] != self.codec.resets:
+            return False
+        new.popleft()
+        self._urgent = False
+        self._sent = [a]
+        wire = self.codec.encode((a,))        # (as _take_message: the codec moves on)
+        data = f[0]
+        if marshal.dumps((wire, (), False, False, (), ())) != data:
+            self._post_exchange(_tuple_new(RankMsg, (wire, (), False, False, (), ())))
+            return False
+        if data is not self._sent_data:       # (as _post_exchange)
+            n = len(data)
+            self._send_mv[:8] = n.to_bytes(8, "little")
+            self._send_mv[8:8 + n] = data
+            self._sent_data = data
+        self._in_cycle_since = time.monotonic()
+        req = self.comm.Iallgather(self._send, self._recv)
+        self._px = (req, data, True)
+        if not req.Test():
+            t0 = time.perf_counter()
+            while not req.Test():
+                if time.perf_counter() - t0 > INLINE_SPIN_S:
+                    return True               # the engine thread finishes it
+        key, slot, mv = f[1], self._slot, self._recv_mv
+        lens = self._recv_lens.ravel().tolist()
+        same = True
+        for rk in range(self.size):
+            n = lens[rk]
+            if n != len(key[rk]) or mv[rk * slot + 8:rk * slot + 8 + n] != key[rk]:
+                same = False
+                break
+        if same and (f[4] is None or self.codec.replay(f[4])):
+            resp = f[2]
+            if f[4] is not None:
+                resp.name = a[0]              # an unnamed call: this call's number
+            self._px = None
+            self._in_cycle_since = 0.0
+            self.cycle_cache.hits += 1
+            self.cycles += 1
+            self.fast_cycles += 1
+            self._empty_streak = 0
+            now = time.monotonic()
+            self._reduce([resp], now)
+            if now >= self._next_tick:
+                self._next_tick = now + 0.2
+                self._stall_tick(now)
+            return True
+        if self._after_exchange(*self._finish_exchange(done=True)):
+            self._inline_exc = _Stop()
+        return True
+
     def _after_exchange(self, msgs: Optional[list], key: Optional[tuple] = None,
                         hit: Optional[tuple] = None) -> bool:
         """Decide and carry out one cycle from every rank's message (or the decisions of
@@ -430,6 +508,13 @@ class Engine:
         now = time.monotonic()
         if hit is not None:
             responses, plan = hit[0], hit[1]
+            if len(responses) == 1 and len(self._sent) == 1:
+                r, a = responses[0], self._sent[0]
+                if r.kind == "allreduce" and r.data is None and r.error is None:
+                    if len(self._fast) >= 64:
+                        self._fast.clear()
+                    self._fast[a if ".noname." not in a[0] else a[1:]] = (
+                        self._sent_data, key, r, self.codec.resets, hit[2])
         else:
             with self._table_lock:
                 keep = key is not None and not self.neg.busy

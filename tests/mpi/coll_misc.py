@@ -198,6 +198,53 @@ def _():
             check(step == 1 and "allreduce.noname." in str(e), f"unnamed mismatch step {step}: {e}")
 
 
+@section("a recurring lone allreduce, in fewer steps")
+def _():
+    # A blocking allreduce whose cycle recurs (named or unnamed, several in turn as in a
+    # training step) runs that cycle in fewer steps (Engine._fast_cycle). Every way out of
+    # it must end as the usual way does: another name with the same fields (other bytes of
+    # this rank), another rank's other shape (a mismatch error on every rank), a late rank
+    # (the engine thread finishes the posted cycle), an async request of another rank.
+    from hvd_magic.collectives import state
+    eng = state.engine()
+    fast0 = eng.fast_cycles
+    for step in range(15):
+        x = np.full(6, float(r + step))
+        hvd.allreduce_(x, name="fast.a", op=hvd.Sum)
+        check(np.allclose(x, sum(q + step for q in range(n))), f"fast.a step {step}: {x[:2]}")
+        y = hvd.allreduce(np.full(6, float(r * step)))
+        check(np.allclose(y, step * (n - 1) / 2), f"unnamed step {step}: {y[:2]}")
+        z = hvd.allreduce(np.full(6, float(r)), name="fast.b", op=hvd.Max)
+        check(np.allclose(z, n - 1), f"fast.b step {step}: {z[:2]}")
+    if not EAGER and eng.inline and os.environ.get("HOROVOD_CACHE_CAPACITY") != "0":
+        check(eng.fast_cycles - fast0 >= 10, f"{eng.fast_cycles - fast0} cycles in fewer steps")
+    # the fields of fast.a under another name: this rank's bytes differ
+    x = np.full(6, float(r))
+    hvd.allreduce_(x, name="fast.c", op=hvd.Sum)
+    check(np.allclose(x, n * (n - 1) / 2), f"fast.c: {x[:2]}")
+    # rank 0 repeats fast.a, the others send another shape: an error on every rank, twice
+    for attempt in range(2):
+        try:
+            hvd.allreduce_(np.ones(6 if r == 0 else 7), name="fast.a", op=hvd.Sum)
+            fail(f"fast.a mismatch {attempt} did not raise")
+        except hvd.TensorMismatchError as e:
+            check("fast.a" in str(e), f"fast.a mismatch message: {e}")
+    # the last rank late: the others' posted cycle is finished by their engine threads
+    for step in range(3):
+        if r == n - 1:
+            time.sleep(0.03)
+        x = np.full(6, float(r + step))
+        hvd.allreduce_(x, name="fast.a", op=hvd.Sum)
+        check(np.allclose(x, sum(q + step for q in range(n))), f"late fast.a step {step}")
+    # rank 0 waits on fast.a while the others submit fast.b first, without waiting
+    h = None if r == 0 else hvd.allreduce_async(np.full(6, float(r)), name="fast.b", op=hvd.Max)
+    x = np.full(6, 1.0)
+    hvd.allreduce_(x, name="fast.a", op=hvd.Sum)
+    check(np.allclose(x, n), f"fast.a beside an async fast.b: {x[:2]}")
+    z = hvd.synchronize(h) if h is not None else hvd.allreduce(np.full(6, 0.0), name="fast.b", op=hvd.Max)
+    check(np.allclose(z, n - 1), f"async fast.b: {z[:2]}")
+
+
 @section("announcement tables that fill up")
 def _():
     # A name that changes every step fills the tables (capacity 12 here); a full table starts
