@@ -447,7 +447,7 @@ class Engine:
                 or self._eager_max or self.tl.active or self.tl._rec or self.neg.busy):
             return False
         a = new[0].ann
-        f = self._fast.get(a if ".noname." not in a[0] else a[1:])
+        f = self._fast.get(_fast_key(a))
         if f is None or f[3] != self.codec.resets:
             return False
         new.popleft()
@@ -458,11 +458,8 @@ class Engine:
         if marshal.dumps((wire, (), False, False, (), ())) != data:
             self._post_exchange(_tuple_new(RankMsg, (wire, (), False, False, (), ())))
             return False
-        if data is not self._sent_data:       # (as _post_exchange)
-            n = len(data)
-            self._send_mv[:8] = n.to_bytes(8, "little")
-            self._send_mv[8:8 + n] = data
-            self._sent_data = data
+        if data is not self._sent_data:
+            self._load_send(data)
         self._in_cycle_since = time.monotonic()
         req = self.comm.Iallgather(self._send, self._recv)
         self._px = (req, data, True)
@@ -513,7 +510,7 @@ class Engine:
                 if r.kind == "allreduce" and r.data is None and r.error is None:
                     if len(self._fast) >= 64:
                         self._fast.clear()
-                    self._fast[a if ".noname." not in a[0] else a[1:]] = (
+                    self._fast[_fast_key(a)] = (
                         self._sent_data, key, r, self.codec.resets, hit[2])
         else:
             with self._table_lock:
@@ -547,14 +544,19 @@ class Engine:
         """Start allgathering every rank's message (marshal-encoded plain tuples)."""
         data = marshal.dumps(tuple(msg))
         if data != self._sent_data:      # (a loop sends the same bytes every step)
-            n = len(data)
-            self._send_mv[:8] = n.to_bytes(8, "little")
-            if n <= self._slot - 8:
-                self._send_mv[8:8 + n] = data
-            self._sent_data = data
+            self._load_send(data)
         self._in_cycle_since = time.monotonic()
         # (the key and lookup of the cycle cache are skipped unless this message can be kept)
         self._px = (self.comm.Iallgather(self._send, self._recv), data, CycleCache.cacheable(msg))
+
+    def _load_send(self, data: bytes) -> None:
+        """Put ``data`` in the send buffer: its length, then itself where it fits (what
+        does not fit goes in a second round, ``_finish_exchange``)."""
+        n = len(data)
+        self._send_mv[:8] = n.to_bytes(8, "little")
+        if n <= self._slot - 8:
+            self._send_mv[8:8 + n] = data
+        self._sent_data = data
 
     def _finish_exchange(self, done: bool = False) -> tuple:
         """Complete the posted exchange (``done``: its request is known to be complete):
@@ -802,6 +804,12 @@ class Engine:
                     f"other ranks have not taken part in negotiation for {now - self._in_cycle_since:.1f} s "
                     f"(HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={kill:g}); check that every rank runs the "
                     "same collectives"))
+
+
+def _fast_key(a: Ann) -> tuple:
+    """Where ``Engine._fast`` keeps the cycle of a lone allreduce: by its Ann, or for an
+    unnamed call (a new number every call) by all of it but the name."""
+    return a if ".noname." not in a[0] else a[1:]
 
 
 class _Stop(Exception):

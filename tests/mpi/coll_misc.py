@@ -202,9 +202,10 @@ def _():
 def _():
     # A blocking allreduce whose cycle recurs (named or unnamed, several in turn as in a
     # training step) runs that cycle in fewer steps (Engine._fast_cycle). Every way out of
-    # it must end as the usual way does: another name with the same fields (other bytes of
-    # this rank), another rank's other shape (a mismatch error on every rank), a late rank
-    # (the engine thread finishes the posted cycle), an async request of another rank.
+    # it must end as the usual way does: another name with the same fields (not taken for
+    # the kept one), other bytes of this rank (an unnamed call's number that skipped one),
+    # another rank's other shape (a mismatch error on every rank), a late rank (the engine
+    # thread finishes the posted cycle), an async request of another rank.
     from hvd_magic.collectives import state
     eng = state.engine()
     fast0 = eng.fast_cycles
@@ -222,6 +223,13 @@ def _():
     x = np.full(6, float(r))
     hvd.allreduce_(x, name="fast.c", op=hvd.Sum)
     check(np.allclose(x, n * (n - 1) / 2), f"fast.c: {x[:2]}")
+    # every rank skips one unnamed number (as a name taken but never sent would): this
+    # rank's message is not the kept one, and the usual way pairs the calls
+    from hvd_magic.collectives import api
+    for step in range(2):
+        api._name("allreduce", None)
+        y = hvd.allreduce(np.full(6, float(r * step)))
+        check(np.allclose(y, step * (n - 1) / 2), f"unnamed after a skipped number {step}: {y[:2]}")
     # rank 0 repeats fast.a, the others send another shape: an error on every rank, twice
     for attempt in range(2):
         try:

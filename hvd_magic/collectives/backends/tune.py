@@ -66,17 +66,16 @@ def size_class(nbytes: int) -> int:
 
 
 class _Class:
-    __slots__ = ("plan", "left", "calls", "every", "times", "settled", "ref", "seen", "watch",
-                 "stride", "alarm", "alarms", "quiet")
+    __slots__ = ("plan", "left", "calls", "every", "times", "settled", "ref", "seen", "stride",
+                 "alarm", "alarms", "quiet")
 
     def __init__(self, candidates: tuple, repeats: int, every: int, watch: int) -> None:
         self.every = every        # settled calls before the next round of trials
         self.settled: Optional[str] = None
         self.ref = float("inf")   # the settled path's least typical seconds per byte
-        self.watch = watch        # settled calls per drift check
-        # of which every stride-th is timed: WATCH of them. Timing and recording a call
-        # costs ~1 us of Python, 1-2% of a 1 MiB call; a median of WATCH calls is what
-        # the big sizes' checks use anyway
+        # Of the ``watch`` settled calls per drift check every stride-th is timed: WATCH
+        # of them. Timing and recording a call costs ~1 us of Python, 1-2% of a 1 MiB
+        # call; a median of WATCH calls is what the big sizes' checks use anyway
         self.stride = max(1, watch // WATCH)
         self.alarms = 0           # rounds started by drift checks since the last scheduled one
         self.start_round(candidates, repeats)
