@@ -242,7 +242,8 @@ def test_a_paused_rank_keeps_the_pool_until_the_heartbeat_limit():
 
         def pause(seconds: float) -> None:
             os.kill(pid, signal.SIGSTOP)
-            threading.Timer(seconds, os.kill, (pid, signal.SIGCONT)).start()
+            threading.Timer(seconds, lambda: psutil.pid_exists(pid) and os.kill(
+                pid, signal.SIGCONT)).start()
 
         pause(1.5)
         out = pool.run_cell("import hvd_magic.collectives as hvd\nhvd.rank()", TextSink())

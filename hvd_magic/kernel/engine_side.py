@@ -9,7 +9,7 @@ import os
 import socket
 import sys
 import traceback
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 #: Set when ``hvd.init()`` failed at start-up: the reason, shown by ``%hvd status``.
 init_error: Optional[str] = None
@@ -25,6 +25,12 @@ def startup() -> None:
     except BaseException as exc:  # noqa: BLE001 - reported by %hvd status, never fatal
         init_error = f"{type(exc).__name__}: {exc}"
         sys.stderr.write(f"hvd_magic: hvd.init() failed on this rank: {init_error}\n")
+
+
+def where() -> Tuple[str, int]:
+    """This rank's host name and pid (asked once when the pool starts, so that a rank that
+    later stops answering can still be named by where it runs)."""
+    return socket.gethostname(), os.getpid()
 
 
 def info() -> Dict[str, Any]:

@@ -23,8 +23,8 @@ from typing import Any, Dict, List, Optional, Sequence
 from .output import OutputSink, PoolCellError, PoolCellInterrupted, PoolCellTimeout, \
     RankDiedError, RankFailure, ranks_text
 from .plan import HEARTBEAT_MISSES, PoolConfig, PoolPlan, plan_pool
-from .procs import descendants, describe_exit, engine_pids, parse_rank_exits, spawn, \
-    stop_tree, tail, wait_until
+from .procs import descendants, describe_exit, parse_rank_exits, spawn, stop_tree, tail, \
+    wait_until
 
 IPP_HINT = ("the pool needs ipyparallel: `pip install ipyparallel` "
             "(or `pip install hvd_magic[notebook]`)")
@@ -113,7 +113,8 @@ class Pool:
         self.ended: Optional[str] = None        # why the pool is gone (None while usable)
         self.started_s = 0.0
         self.last_cell: Dict[int, str] = {}
-        self.pids: Dict[int, int] = {}          # rank -> engine pid (local pools)
+        self.pids: Dict[int, int] = {}          # rank -> engine pid
+        self.hosts: Dict[int, str] = {}         # rank -> host name
         self._views: Dict[tuple, Any] = {}      # targets -> DirectView
 
     @property
@@ -158,7 +159,7 @@ class Pool:
                 raise
             raise PoolError(why) from exc
         self.known = descendants(self.mpiexec.pid) + descendants(self.controller.pid)
-        self.pids = engine_pids(self.known)
+        self._learn_where()
         self.started_s = time.monotonic() - t0
         return self
 
@@ -186,6 +187,16 @@ class Pool:
                 last, shown = count, now
             time.sleep(0.01)
 
+    def _learn_where(self) -> None:
+        """Each rank's host and pid, asked once (one round trip): a rank that later stops
+        answering can then still be named by where it runs, and local interrupts go to the
+        pids."""
+        from .engine_side import where
+        ranks = list(range(self.config.np))
+        for r, (host, pid) in zip(ranks, self.client[ranks].apply_async(where).get(
+                START_TIMEOUT)):
+            self.hosts[r], self.pids[r] = host, pid
+
     def _start_failure(self, exc: BaseException) -> str:
         workdir = self.config.workdir
         logs = "".join(f"\n--- {name} ---\n{text}" for name in ("mpiexec.log", "controller.log")
@@ -212,12 +223,17 @@ class Pool:
                 return f"{name} {describe_exit(None if proc is None else proc.returncode)}"
         missing = self._unheard()
         if missing:
-            s = "s" if len(missing) > 1 else ""
-            return (f"the controller stopped hearing from rank{s} "
-                    f"{', '.join(map(str, missing))} (no heartbeat answer for "
-                    f"{HEARTBEAT_MISSES * self.config.heartbeat_ms / 1000:g} s: the rank or "
-                    f"its host hung, or was paused that long)")
+            return self.unheard_text(missing)
         return "the ranks stopped answering"
+
+    def unheard_text(self, ranks: Sequence[int]) -> str:
+        """Why ``ranks`` count as gone, where they ran, and what to do next."""
+        where = ", ".join(f"rank {r} (pid {self.pids.get(r, '?')} on "
+                          f"{self.hosts.get(r, '?')})" for r in ranks)
+        limit = f"{HEARTBEAT_MISSES * self.config.heartbeat_ms / 1000:g} s"
+        return (f"{where} stopped answering the heartbeat for {limit}: paused (a debugger, "
+                f"Ctrl-Z, SIGSTOP), or its host froze or lost the network (a rank that only "
+                f"computes still answers; resume a paused one within {limit})")
 
     def _unheard(self) -> List[int]:
         """Ranks the controller no longer lists (it dropped them after missed heartbeats)."""
@@ -336,6 +352,8 @@ class Pool:
             if self.mpiexec.poll() is not None or self.controller.poll() is not None:
                 ar.wait(0.1)          # results already on their way; the job is over
                 return
+            if self._unheard():
+                return      # a rank went silent (see plan.HEARTBEAT_MISSES): _outcome ends it
             if self._engine_lost(ar):
                 # one rank is gone: MPI ends the whole job; give mpiexec a moment to say
                 # which rank and how, then let _outcome stop the pool
@@ -452,7 +470,7 @@ class Pool:
 
     def _death(self, failures: List[RankFailure], targets: List[int]) -> RankDiedError:
         """Name the ranks that ended and how (from mpiexec's log), stop the pool."""
-        if self.mpiexec is not None:
+        if self.mpiexec is not None and not self._unheard():
             try:
                 self.mpiexec.wait(2.0)
             except Exception:  # noqa: BLE001

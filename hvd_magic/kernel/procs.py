@@ -117,29 +117,6 @@ def _gone(proc: "object") -> bool:
         return True
 
 
-_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
-
-
-def engine_pids(procs: Iterable["object"], marker: str = "hvd_magic.kernel._engine"
-                ) -> Dict[int, int]:
-    """``{rank: pid}`` of the engine processes among ``procs`` (psutil.Process objects),
-    their rank read from the environment mpiexec gave them."""
-    import psutil
-    out: Dict[int, int] = {}
-    for proc in procs:
-        try:
-            if marker not in " ".join(proc.cmdline()):  # type: ignore[attr-defined]
-                continue
-            env = proc.environ()  # type: ignore[attr-defined]
-        except psutil.Error:
-            continue
-        for name in _RANK_VARS:
-            if env.get(name, "").isdigit():
-                out[int(env[name])] = proc.pid  # type: ignore[attr-defined]
-                break
-    return out
-
-
 @dataclass(frozen=True)
 class RankExit:
     """How a rank ended, as ``mpiexec`` reported it."""
