@@ -26,7 +26,7 @@ def _local_ip_towards(host: str) -> str:
 
 def make_config(np: int, hosts: Optional[List[Host]] = None, hostfile: Optional[str] = None,
                 env: Optional[Dict[str, str]] = None,
-                workdir: str = "/tmp/hvdm-plan") -> PoolConfig:
+                workdir: str = "/tmp/hvdm-plan", oversubscribe: bool = False) -> PoolConfig:
     """Gather the facts of this machine (mpiexec, MPI flavour, namespaces, addresses) into a
     :class:`PoolConfig`; raises ValueError/TypeError/RuntimeError for what cannot work."""
     from ..runner import launch
@@ -43,7 +43,7 @@ def make_config(np: int, hosts: Optional[List[Host]] = None, hostfile: Optional[
         hosts = hosts or listed
     single = not hosts or all(h.name in names for h in hosts)
     oversub_env = environ.get("HVD_MAGIC_OVERSUBSCRIBE", "").strip().lower()
-    oversub = True if oversub_env in ("1", "true", "yes", "on") else None
+    oversub = True if oversubscribe or oversub_env in ("1", "true", "yes", "on") else None
     controller_ip, ports = "127.0.0.1", []
     if not single:
         remote = next(h.name for h in hosts or [] if h.name not in names)
@@ -84,8 +84,9 @@ class PoolManager:
         return int(value) if value.isdigit() and int(value) > 0 else 2
 
     def ensure(self, np: Optional[int], hosts: Optional[List[Host]], hostfile: Optional[str],
-               sink: Optional[OutputSink]) -> Pool:
-        """A running pool for this request (planned and checked before anything starts)."""
+               sink: Optional[OutputSink], oversubscribe: bool = False) -> Pool:
+        """A running pool for this request (planned and checked before anything starts);
+        ``oversubscribe`` allows more ranks than the hosts' slots or this machine's limit."""
         if np is None and hosts is None and hostfile is None and self.last is not None:
             np, hosts, hostfile = self.last
         np = self.default_np() if np is None else np
@@ -93,7 +94,8 @@ class PoolManager:
         old = self.pool
         if old is not None and old.alive() and request == self._running:
             return old                          # fast path: nothing to look up or plan
-        config = self.config_factory(np, hosts=hosts, hostfile=hostfile)
+        config = self.config_factory(np, hosts=hosts, hostfile=hostfile,
+                                     oversubscribe=oversubscribe)
         plan_pool(config)                       # bad requests fail here, before any process
         if old is not None:
             if old.alive() and old.config.key_fields() == config.key_fields():

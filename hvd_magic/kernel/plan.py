@@ -25,12 +25,16 @@ from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from ..runner.plan import LOCAL_NAMES, NETNS_NOTE, NO_NETNS_NOTE, OPENMPI, Host, LaunchArgs, \
-    is_single_host, plan_launch
+    check_local_size, is_single_host, plan_launch
 
 #: ipyparallel's controller heartbeat period for the pool (ms); its default of 3000 ms is
 #: most of the default 6.7 s start (engines are confirmed on the next beat).
 HEARTBEAT_MS = 100
 #: Beats a rank may miss in a row before the controller drops it (ipyparallel's default: 10).
+#: Busy or stopped: each engine answers the ping from a zmq thread that needs neither the
+#: GIL nor the interpreter, so a rank that computes (even in C code holding the GIL) still
+#: answers, and only a stopped or frozen process, or an unreachable host, misses 30 in a row;
+#: the pool then ends the cell naming that rank (``Pool.unheard_text``).
 #: At 10 x 100 ms a 2-rank training cell on the loaded 2-core VM lost its pool while
 #: mpiexec and every rank were still up; in another run both ranks' answers arrived ~0.6 s
 #: late together, six beats missed in a row (controller.log, 2026-11-23). Dead ranks on
@@ -75,6 +79,7 @@ class PoolConfig:
     env: Dict[str, str] = field(default_factory=dict)   # extra variables for the engines
     environ: Dict[str, str] = field(default_factory=dict)  # the caller's environment
     heartbeat_ms: int = HEARTBEAT_MS
+    cores: int = os.cpu_count() or 1          # this machine's (the one-machine size limit)
 
     def key_fields(self) -> Tuple:
         """What makes a running pool unsuitable for another request when it differs."""
@@ -104,7 +109,7 @@ class PoolPlan:
 
 
 def check_request(np: object, hosts: Optional[List[Host]], oversubscribe: Optional[bool],
-                  local_names: FrozenSet[str] = LOCAL_NAMES) -> None:
+                  local_names: FrozenSet[str] = LOCAL_NAMES, cores: int = 1) -> None:
     """Raise TypeError/ValueError (saying what to do) for a size no pool can have."""
     if isinstance(np, bool) or not isinstance(np, int):
         raise TypeError(f"-np must be a whole number of ranks, e.g. -np 2; got {np!r}")
@@ -117,7 +122,9 @@ def check_request(np: object, hosts: Optional[List[Host]], oversubscribe: Option
             listed = ",".join(f"{h.name}:{h.slots}" for h in hosts)
             raise ValueError(f"-np {np} but -H {listed} has only {slots} slot(s); add slots "
                              f"(-H host:slots), lower -np, or set HVD_MAGIC_OVERSUBSCRIBE=1 "
-                             "to allow more ranks than slots")
+                             "(or --oversubscribe) to allow more ranks than slots")
+    elif not hosts:
+        check_local_size(np, cores, bool(oversubscribe))
 
 
 def _ipc_interface(workdir: str, name: str) -> str:
@@ -167,7 +174,8 @@ def connection_info(config: PoolConfig, single: bool) -> Tuple[Dict[str, object]
 def plan_pool(config: PoolConfig) -> PoolPlan:
     """Plan the controller and the engines of a pool; raises ValueError/TypeError for a
     request no pool can satisfy (before anything starts)."""
-    check_request(config.np, config.hosts, config.oversubscribe, config.local_names)
+    check_request(config.np, config.hosts, config.oversubscribe, config.local_names,
+                  config.cores)
     largs = LaunchArgs(np=config.np, command=["python"], hosts=config.hosts,
                        hostfile=config.hostfile)
     single = is_single_host(largs, config.local_names)
@@ -207,7 +215,7 @@ def plan_pool(config: PoolConfig) -> PoolPlan:
         engine_cmd.append("--IPEngine.enable_nanny=False")
     largs = LaunchArgs(np=config.np, command=engine_cmd, hosts=config.hosts,
                        hostfile=config.hostfile, extra_env=extra,
-                       oversubscribe=bool(oversub and not single))
+                       oversubscribe=bool(oversub))
     argv, env = plan_launch(largs, config.environ, config.mpi_impl, mpiexec=config.mpiexec,
                             mpi_version=config.mpi_version, netns=config.netns and single,
                             local_names=config.local_names, python=py)

@@ -12,7 +12,8 @@ from typing import List, Optional
 
 from ..runner.plan import Host, parse_hosts
 
-CELL_USAGE = ("%%hvd [-np N] [-H host1:4,host2:4 | --hostfile FILE] [--ranks 0,2 | --rank 0] "
+CELL_USAGE = ("%%hvd [-np N] [-H host1:4,host2:4 | --hostfile FILE] [--oversubscribe] "
+              "[--ranks 0,2 | --rank 0] "
               "[--timeout SECONDS] [--no-stream] [--out NAME]")
 LINE_USAGE = ("%hvd status | stop | restart | push NAME... [--ranks 0,2] | "
               "pull NAME [--rank R] | start [-np N] [-H HOSTS | --hostfile F]")
@@ -35,6 +36,7 @@ class CellRequest:
     timeout: Optional[float] = None
     stream: bool = True
     out: Optional[str] = None
+    oversubscribe: bool = False
 
 
 @dataclass
@@ -93,9 +95,11 @@ def _pool_options(p: argparse.ArgumentParser) -> None:
     hosts = p.add_mutually_exclusive_group()
     hosts.add_argument("-H", "--hosts", dest="hosts", default=None)
     hosts.add_argument("--hostfile", dest="hostfile", default=None)
+    p.add_argument("--oversubscribe", action="store_true", default=False)
 
 
 def _pool_fields(ns: argparse.Namespace, req: CellRequest) -> None:
+    req.oversubscribe = ns.oversubscribe
     if ns.np is not None:
         req.np = _np(ns.np)
     if ns.hosts is not None:

@@ -45,14 +45,15 @@ class HvdMagics(Magics):
     # ------------------------------------------------------------------ %%hvd
     def _pool_for(self, req: CellRequest, sink: Any) -> Any:
         from ..runner.launch import MpiNotFoundError
-        if req.np is None and req.hosts is None and req.hostfile is None:
-            pool = self.manager.pool
-            if pool is not None and pool.alive():
-                check_ranks(req, pool.size)
-                return pool
-        check_ranks(req, self.manager.default_np() if req.np is None else req.np)
         try:
-            return self.manager.ensure(req.np, req.hosts, req.hostfile, sink)
+            if req.np is None and req.hosts is None and req.hostfile is None:
+                pool = self.manager.pool
+                if pool is not None and pool.alive():
+                    check_ranks(req, pool.size)
+                    return pool
+            check_ranks(req, self.manager.default_np() if req.np is None else req.np)
+            return self.manager.ensure(req.np, req.hosts, req.hostfile, sink,
+                                       oversubscribe=req.oversubscribe)
         except (ValueError, TypeError, MpiNotFoundError) as exc:
             raise _usage(exc) from None
 

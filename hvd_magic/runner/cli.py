@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="hosts and their slots, e.g. node1:4,node2:4 (default: this machine)")
     hosts.add_argument("--hostfile", metavar="FILE",
                        help="file with one host per line, 'host slots=N' or 'host:N'")
+    p.add_argument("--oversubscribe", action="store_true",
+                   help="allow more ranks than the hosts' slots, or than 4 per core here")
     p.add_argument("--timeline-filename", metavar="F",
                    help="write a Horovod timeline (HOROVOD_TIMELINE)")
     p.add_argument("--fusion-threshold-mb", type=_nonneg(float, "MB"), metavar="M",
@@ -127,7 +129,8 @@ def to_launch_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> L
                           stall_check_seconds=ns.stall_check_seconds,
                           cache_capacity=ns.cache_capacity,
                           output_filename=ns.output_filename,
-                          network_interface=ns.network_interface, verbose=ns.verbose)
+                          network_interface=ns.network_interface, verbose=ns.verbose,
+                          oversubscribe=ns.oversubscribe)
         validate(args)
     except ValueError as exc:
         parser.error(str(exc))

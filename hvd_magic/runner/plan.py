@@ -64,7 +64,23 @@ class LaunchArgs:
     network_interface: Optional[str] = None
     verbose: bool = False
     extra_env: Dict[str, str] = field(default_factory=dict)
-    oversubscribe: bool = False             # hosts: allow more ranks than their slots
+    oversubscribe: bool = False             # allow more ranks than slots (or cores x 4)
+    cores: int = os.cpu_count() or 1        # this machine's, for the one-machine limit
+
+
+#: Ranks one machine may run per core: ranks beyond the cores take turns on them, and past
+#: this many each mostly waits for the others; a larger request is refused as a mistake
+#: (``%%hvd -np 100000`` would otherwise spend minutes starting) unless --oversubscribe.
+RANKS_PER_CORE = 4
+
+
+def check_local_size(np: int, cores: int, oversubscribe: bool) -> None:
+    """Refuse more ranks on this one machine than :data:`RANKS_PER_CORE` per core."""
+    limit = RANKS_PER_CORE * max(1, cores)
+    if np > limit and not oversubscribe:
+        raise ValueError(f"-np {np} is more than this machine holds: at most {limit} ranks "
+                         f"({RANKS_PER_CORE} per core x {cores} cores); lower -np, spread the "
+                         "ranks over hosts with -H, or add --oversubscribe to start them anyway")
 
 
 def parse_hosts(spec: str) -> List[Host]:
@@ -185,7 +201,9 @@ def validate(args: LaunchArgs) -> None:
         total = sum(h.slots for h in args.hosts)
         if args.np > total and not args.oversubscribe:
             raise ValueError(f"-np {args.np} but the hosts have only {total} slots; add slots "
-                             f"(-H host:slots) or lower -np")
+                             f"(-H host:slots), lower -np, or add --oversubscribe")
+    elif not args.hosts and not args.hostfile:
+        check_local_size(args.np, args.cores, args.oversubscribe)
 
 
 def plan_launch(args: LaunchArgs, env: Mapping[str, str], mpi_impl: str, *,
