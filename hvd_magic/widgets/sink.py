@@ -13,6 +13,7 @@ output to the sink as it arrives.
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
@@ -451,6 +452,33 @@ class _Renderer:
 
 RENDERER = _Renderer()
 
+#: Finished cells whose live panels stay interactive (zoomable timeline, the save button).
+#: Each panel is about 50 widgets and a bokeh document, 0.4 MB of the kernel's memory, so an
+#: older panel is closed when a newer one finishes; its static snapshot stays in the output.
+LIVE_PANELS = 10
+_FINISHED: "collections.deque[Any]" = collections.deque()
+
+
+def _keep_live(sink: Any) -> None:
+    """Keep ``sink``'s panel live and close the oldest beyond :data:`LIVE_PANELS`."""
+    _FINISHED.append(sink)
+    while len(_FINISHED) > LIVE_PANELS:
+        _FINISHED.popleft().release()
+
+
+def _close_tree(w: Any) -> None:
+    """Close a widget, its layout and style, and everything it contains (ipywidgets keeps
+    every widget until it is closed)."""
+    if getattr(w, "comm", None) is None:         # closed already (a lane is shown twice)
+        return
+    for child in getattr(w, "children", ()):
+        _close_tree(child)
+    for part in ("layout", "style"):
+        sub = getattr(w, part, None)
+        if hasattr(sub, "close"):
+            sub.close()
+    w.close()
+
 
 class WidgetSink:
     """The live panel of one ``%%hvd`` cell: status badges, stall/failure banner, throughput
@@ -684,6 +712,9 @@ class WidgetSink:
                 lane.add_class(f"hvdm-lane-{r}")
                 boxes.append(lane)
             everything = W.VBox(boxes)
+            for old in self.lanes_box.children:       # the containers, not the lanes
+                old.layout.close()
+                old.close()
             self.lanes_box.children = [everything] + boxes
             self.lanes_box.titles = ["all ranks"] + [f"rank {r}" for r in sorted(self.lanes)]
             if self.plot is not None:
@@ -723,6 +754,16 @@ class WidgetSink:
             text = (logs + "\n" if logs else "") + self.cell.summary_text()
         self.snapshot.update({"text/html": snap, "text/plain": text}, raw=True)
         _drop_bokeh_loader()
+        _keep_live(self)
+
+    def release(self) -> None:
+        """Close the panel's widgets and drop its bokeh document; the snapshot stays."""
+        with self.lock:
+            try:
+                _close_tree(self.box)       # the plot's model is inside it
+            except Exception:  # noqa: BLE001 - a front end gone already; drop it anyway
+                pass
+            self.lanes, self.plot, self.source, self._drawn = {}, None, None, {}
 
 
 _MODEL_CLS: Dict[Any, Any] = {}
@@ -739,6 +780,12 @@ def _one_message_model(base: Any) -> Any:
         return cls
 
     class HvdBokehModel(base):  # type: ignore[misc, valid-type]
+        def close(self) -> None:
+            try:
+                base.close(self)
+            except KeyError:    # jupyter_bokeh's close runs twice (Widget.__del__ calls it)
+                pass
+
         def _document_patched(self, event: Any) -> None:
             if event.setter is self:
                 return
