@@ -81,7 +81,7 @@ def main() -> int:
                 print(f"round {i} {mode:9s} {val:9.0f} samples/s (2 ranks) "
                       f"{out.split()[-1] if mode == 'widgets' else ''}", flush=True)
         live_out = "".join(run(kc, "print(_s.LAST['cell'].summary_text()); "
-                                   "print('batches', _s.LAST['sink'].feed.batches); "
+                                   "print('batches', _s.LAST['sink'].batches); "
                                    "import os\n"
                                    "if os.path.exists('/proc/self/autogroup'): "
                                    "print('kernel scheduler group:', "

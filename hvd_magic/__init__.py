@@ -16,7 +16,7 @@ def run(fn, args=(), kwargs=None, np=2, hosts=None, **launch):
 def report(samples: int) -> None:
     """Count ``samples`` processed on this rank (throughput and scaling efficiency in the
     live ``%%hvd`` panel). Cheap; does nothing outside a live cell."""
-    from .widgets.telemetry import report as _report
+    from .collectives.progress import report as _report
     _report(samples)
 
 

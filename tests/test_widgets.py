@@ -225,10 +225,11 @@ def test_scaling_plot_builds():
 
 
 def test_report_counts_samples():
-    from hvd_magic.widgets import telemetry
-    before = telemetry._samples
-    telemetry.report(samples=7)
-    assert telemetry._samples == before + 7 and telemetry._samples_t is not None
+    import hvd_magic.collectives as hvd
+    from hvd_magic.collectives.progress import progress
+    before = progress()[0]
+    hvd.report(samples=7)
+    assert progress()[0] == before + 7 and progress()[1] is not None
 
 
 # ---------------------------------------------------------------- a real 2-rank cell
@@ -252,9 +253,9 @@ def test_two_rank_cell_telemetry_through_text_sink(capsys):
                 "for i in range(120):\n    time.sleep(0.005)\n    hvd.allreduce(x, name='g')\n"
                 "    report(samples=8)\nprint('rank', hvd.rank(), 'done')\n")
         snk = S.TelemetryTextSink(ranks=[0, 1])
-        S.run_cell(pool, code, snk)
+        pool.run_cell(code, snk)
         cell = snk.cell
-        assert snk.feed.batches >= 4
+        assert snk.batches >= 4
         spans = cell.track.all_spans()
         assert set(spans) == {0, 1}
         for r in (0, 1):
@@ -271,7 +272,7 @@ def test_two_rank_cell_telemetry_through_text_sink(capsys):
         # a failing cell: the rank and the reason
         snk = S.TelemetryTextSink(ranks=[0, 1])
         with pytest.raises(Exception):
-            S.run_cell(pool, "import hvd_magic.collectives as hvd\n"
+            pool.run_cell("import hvd_magic.collectives as hvd\n"
                              "if hvd.rank() == 1: raise ValueError('boom on 1')\n", snk)
         assert snk.cell.rank[1].status == M.FAILED and "boom on 1" in snk.cell.rank[1].why
         assert snk.cell.rank[0].status == M.DONE
@@ -308,25 +309,15 @@ ip.run_line_magic("hvd", "stop")
 
 
 def test_background_renderer_drains_ticks_and_lets_go():
-    """The kernel-side renderer thread (nice +10 on Linux) drains each registered panel's
-    feed and ticks it until the panel is removed; removing waits for a tick in progress."""
+    """The kernel-side renderer thread (nice +10 on Linux) ticks each registered panel
+    until the panel is removed; removing waits for a tick in progress."""
     import sys
     import time
 
-    from types import SimpleNamespace
-
-    from hvd_magic.widgets.sink import CellFeed, _Renderer
-
-    class Feed(CellFeed):          # the real feed, over a client with no cells yet
-        drains = 0
-
-        def drain(self):
-            self.drains += 1
-            return super().drain()
+    from hvd_magic.widgets.sink import _Renderer
 
     class Panel:
         def __init__(self):
-            self.feed = Feed(SimpleNamespace(history=[], metadata={}), 0, self)
             self.ticks = 0
 
         def tick(self):
@@ -339,7 +330,7 @@ def test_background_renderer_drains_ticks_and_lets_go():
     deadline = time.monotonic() + 5
     while p.ticks < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert p.ticks >= 3 and p.feed.drains >= 3
+    assert p.ticks >= 3
     r.remove(p)
     seen = p.ticks
     time.sleep(0.1)
@@ -358,7 +349,7 @@ def test_a_finished_panel_leaves_the_renderer():
     from hvd_magic.widgets import sink as S
 
     panel = S.WidgetSink(ranks=[0, 1])
-    panel.begin([0, 1], None, 2)
+    panel.begin([0, 1], 2, "1")
     assert panel in S.RENDERER.sinks
     panel.finalize()
     assert panel not in S.RENDERER.sinks

@@ -17,6 +17,6 @@ from .state import (ccl_built, cross_rank, cross_size, cuda_built, gloo_built, g
                     is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
                     mpi_threads_supported, nccl_built, rank, rocm_built, shutdown, size)
 
-from ..widgets.telemetry import report  # live throughput for the %%hvd panel (stdlib only)
+from .progress import report
 
 __all__ = [n for n in dir() if not n.startswith("_")]

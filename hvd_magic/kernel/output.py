@@ -38,6 +38,13 @@ class OutputSink(Protocol):
     def close(self) -> None:
         """The cell finished: flush what is buffered."""
 
+    # Optional, for sinks that observe the whole cell (the live panel, the text summary):
+    #   telemetry_interval: float   the ranks send a telemetry batch this often (s)
+    #   begin(ranks, size, code)    before the cell is sent
+    #   ingest(batches)             telemetry batches (dicts, see kernel.telemetry)
+    #   poll()                      periodic work on the kernel's main thread while it runs
+    #   failed(exc) / finalize()    after the cell: it raised a PoolCellError / otherwise
+
 
 class TextSink:
     """Rank-prefixed text: each line a rank prints appears as ``[rank] line`` as soon as

@@ -30,6 +30,8 @@ IPP_HINT = ("the pool needs ipyparallel: `pip install ipyparallel` "
             "(or `pip install hvd_magic[notebook]`)")
 
 START_TIMEOUT = float(os.environ.get("HVD_MAGIC_START_TIMEOUT", "60"))
+#: Seconds to wait for the ranks to switch their telemetry on or off.
+SWITCH_TIMEOUT = 30.0
 
 
 class PoolError(RuntimeError):
@@ -116,6 +118,7 @@ class Pool:
         self.pids: Dict[int, int] = {}          # rank -> engine pid
         self.hosts: Dict[int, str] = {}         # rank -> host name
         self._views: Dict[tuple, Any] = {}      # targets -> DirectView
+        self.telemetry: Optional[float] = None  # the ranks' telemetry interval (None: off)
 
     @property
     def size(self) -> int:
@@ -294,6 +297,10 @@ class Pool:
                  timeout: Optional[float] = None) -> CellOutcome:
         """Run ``code`` on ``ranks`` (all by default), streaming output to ``sink``.
 
+        The sink observes the cell (see :class:`OutputSink`): with a ``telemetry_interval``
+        the ranks send telemetry batches (``sink.ingest``) while it runs; ``begin`` before,
+        ``failed`` or ``finalize`` after.
+
         Raises :class:`PoolCellError` when ranks raise, :class:`RankDiedError` when a rank
         dies (the pool is then stopped), :class:`PoolCellTimeout` past ``timeout``, and
         KeyboardInterrupt after stopping the cell on every rank when interrupted.
@@ -302,17 +309,42 @@ class Pool:
         if not self.alive():
             raise PoolError(f"the pool is gone ({self.ended}); the next %%hvd cell starts a "
                             "new one")
+        self.set_telemetry(getattr(sink, "telemetry_interval", None))
+        _notify(sink, "begin", targets, self.size, code)
+        try:
+            outcome = self._run(code, sink, targets, timeout)
+        except PoolCellError as exc:
+            _notify(sink, "failed", exc)
+            raise
+        except BaseException:
+            _notify(sink, "finalize")
+            raise
+        _notify(sink, "finalize")
+        return outcome
+
+    def set_telemetry(self, interval: Optional[float]) -> None:
+        """The ranks send a telemetry batch every ``interval`` s while a cell runs (None:
+        none, and no timeline subscription). One round trip, only when it changes."""
+        if interval == self.telemetry:
+            return
+        from . import telemetry
+        view = self.client[list(range(self.size))]
+        if interval is None:
+            view.apply_async(telemetry.disable).get(SWITCH_TIMEOUT)
+        else:
+            view.apply_async(telemetry.enable, interval).get(SWITCH_TIMEOUT)
+        self.telemetry = interval
+
+    def _run(self, code: str, sink: OutputSink, targets: List[int],
+             timeout: Optional[float]) -> CellOutcome:
         ar = self._view(targets).execute(code, silent=False, block=False)
-        submitted = getattr(sink, "submitted", None)
-        if submitted is not None:
-            submitted(ar)           # live sinks read the cell's telemetry from its metadata
         poke: "queue.SimpleQueue[int]" = queue.SimpleQueue()
         for fut in ar._children:
             fut.iopub_callbacks.append(lambda _msg: poke.put(1))
         ar.add_done_callback(lambda _f: poke.put(1))
         for r in targets:
             self.last_cell[r] = "running a cell"
-        pump = _Pump(ar, targets, sink, getattr(sink, "poll", None))
+        pump = _Pump(ar, targets, sink)
         try:
             self._wait(ar, pump, poke, timeout)
         except KeyboardInterrupt:
@@ -532,23 +564,32 @@ def _done(ar: Any, i: int) -> bool:
     return ar._children[i].done()
 
 
+def _notify(sink: Any, name: str, *args: Any) -> None:
+    """Call ``sink.name(*args)`` when the sink has that optional method."""
+    fn = getattr(sink, name, None)
+    if fn is not None:
+        fn(*args)
+
+
 class _Pump:
-    """Moves new output from ipyparallel's per-engine metadata to a sink (main thread only).
+    """Moves new output and telemetry from ipyparallel's per-engine metadata to a sink (main
+    thread only).
 
     ipyparallel's IO thread appends each message to the metadata before running callbacks;
     reading the metadata (not the messages) means nothing is lost or doubled even for output
-    that arrived before the callbacks were attached.
+    that arrived before the callbacks were attached. Telemetry batches are the ranks'
+    ``data_message`` entries, keyed ``hvdm.<rank>.<seq>`` (:mod:`.telemetry`).
     """
 
-    def __init__(self, ar: Any, targets: List[int], sink: OutputSink,
-                 poll: Any = None) -> None:
+    def __init__(self, ar: Any, targets: List[int], sink: OutputSink) -> None:
         self.ar, self.targets, self.sink = ar, targets, sink
         self.offsets: Dict[tuple, int] = {}
-        self.poll = poll            # the sink's own periodic work (telemetry), if it has any
+        self.seen: set = set()
+        self.ingest = getattr(sink, "ingest", None)
+        self.poll = getattr(sink, "poll", None)     # the sink's own periodic work, if any
 
     def flush(self) -> None:
-        if self.poll is not None:
-            self.poll()
+        batches: List[Any] = []
         for i, r in enumerate(self.targets):
             md = self.ar._metadata[i]
             for name in ("stdout", "stderr"):
@@ -562,3 +603,14 @@ class _Pump:
             for item in outputs[seen:]:
                 self.sink.display(r, item.get("data", {}), item.get("metadata", {}))
             self.offsets[(r, "outputs")] = len(outputs)
+            data = md.get("data")
+            if data and self.ingest is not None:
+                for key in [k for k in list(data) if k.startswith("hvdm.")
+                            and k not in self.seen]:
+                    self.seen.add(key)
+                    batches.append(data[key])
+        if batches:
+            batches.sort(key=lambda b: (b.get("rank", 0), b.get("seq", 0)))
+            self.ingest(batches)
+        if self.poll is not None:
+            self.poll()

@@ -66,8 +66,7 @@ class HvdMagics(Magics):
         sink = self._sink(req.stream)
         pool = self._pool_for(req, sink)
         self.last_cell = cell
-        from ..widgets import run_cell
-        outcome = run_cell(pool, cell, sink, ranks=req.ranks, timeout=req.timeout)
+        outcome = pool.run_cell(cell, sink, ranks=req.ranks, timeout=req.timeout)
         if req.out:
             values = pool.result_values(outcome.ranks)
             self.shell.user_ns[req.out] = dict(zip(outcome.ranks, values))

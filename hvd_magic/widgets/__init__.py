@@ -2,9 +2,11 @@
 throughput and scaling efficiency, and a bokeh timeline of the collectives, all through
 Jupyter comms (ipywidgets, jupyter_bokeh). In a terminal the same information is text.
 
-* engine side: :mod:`.telemetry` (``report(samples=n)``, ``enable()``)
+* engine side: :mod:`hvd_magic.kernel.telemetry` (``enable()``), counting what
+  ``hvd.report(n)`` (:mod:`hvd_magic.collectives.progress`) reports
 * pure: :mod:`.model` (logs, spans, throughput arithmetic, snapshots), :mod:`.scaling` (pure part)
-* client side: :mod:`.sink` (``make_sink``, ``run_cell``, ``save_trace``, ``set_baseline``)
+* client side: :mod:`.sink` (``make_sink``, ``save_trace``, ``set_baseline``): sinks that
+  ``Pool.run_cell`` feeds with output, telemetry and the cell's end
 
 ipywidgets and bokeh are imported only when a widget is made.
 """
@@ -12,21 +14,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from .telemetry import report
+from ..collectives.progress import report
 
-__all__ = ["make_sink", "report", "run_cell", "save_trace", "set_baseline", "scale"]
+__all__ = ["make_sink", "report", "save_trace", "set_baseline", "scale"]
 
 
 def make_sink(stream: bool = True, **kw: Any) -> Any:
     """The renderer of one ``%%hvd`` cell (``HvdMagics.sink_factory``)."""
     from .sink import make_sink as _m
     return _m(stream=stream, **kw)
-
-
-def run_cell(pool: Any, code: str, sink: Any, ranks: Any = None, timeout: Any = None) -> Any:
-    """``pool.run_cell`` with live telemetry when ``sink`` is a live sink."""
-    from .sink import run_cell as _r
-    return _r(pool, code, sink, ranks=ranks, timeout=timeout)
 
 
 def save_trace(path: Any = None) -> str:

@@ -7,6 +7,7 @@ Pure: :func:`parse_np_list`, :func:`scale_rows`, :func:`scale_text`. Doing:
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -99,10 +100,11 @@ def run_scaling(manager: Any, code: str, nps: Sequence[int],
         pool = manager.ensure(n, None, None, None)
         snk = S.TelemetryTextSink(ranks=list(range(n)), stream_output=False)
         snk.status = lambda _t: None            # type: ignore[method-assign]
-        S.run_cell(pool, code, snk)
+        t0 = time.time()
+        pool.run_cell(code, snk)
         cell = snk.cell
         points.append(ScalePoint(n, cell.total_rate(), cell.rates(), cell.comm_mean(),
-                                 float(S.LAST.get("wall_s", 0.0))))
+                                 time.time() - t0))
         if progress:
             progress(f"hvd scale: {n} rank(s): {fmt_rate(cell.total_rate())} samples/s")
     rows = scale_rows(points)

@@ -1,15 +1,12 @@
-"""Client side: the sinks a ``%%hvd`` cell renders to, and the feed of engine telemetry.
+"""Client side: the sinks a ``%%hvd`` cell renders to. They observe the cell: the pool
+(``Pool.run_cell``) hands them output, telemetry batches (``ingest``) and the cell's end.
 
 * :func:`make_sink` picks :class:`WidgetSink` (ipywidgets + bokeh, in a Jupyter kernel) or
   :class:`TelemetryTextSink` (terminal IPython, no ipywidgets): both implement
-  :class:`hvd_magic.kernel.output.OutputSink`.
-* :func:`run_cell` wraps ``Pool.run_cell``: turns telemetry on in the ranks (once per pool),
-  makes a :class:`CellFeed` that reads the cell's ``data_message`` batches from the
-  ipyparallel client's metadata and hands them to the sink, and shows failures in the sink.
+  :class:`hvd_magic.kernel.output.OutputSink` with its optional observer methods.
 
-UI updates happen under the sink's lock, at most every ``refresh`` s, on the kernel's main
-thread: the pool's wait loop calls ``sink.poll()`` (the feed's drain and tick) and hands
-output to the sink as it arrives.
+UI updates happen under the sink's lock, at most every ``refresh`` s, on a background
+thread (:data:`RENDERER`) or the kernel's main thread (``poll``).
 """
 from __future__ import annotations
 
@@ -99,90 +96,9 @@ def make_sink(stream: bool = True, ranks: Optional[Sequence[int]] = None, **kw: 
     return TelemetryTextSink(ranks=ranks)
 
 
-# ---------------------------------------------------------------------------- transport
-
-class CellFeed(threading.Thread):
-    """Reads telemetry batches of one cell from the ipyparallel client and feeds the sink.
-
-    ipyparallel's IO thread merges each ``data_message`` into ``client.metadata[msg_id]
-    ["data"]``; the cell's msg_ids are those added to ``client.history`` after ``mark``.
-    """
-
-    def __init__(self, client: Any, mark: int, sink: Any, period: float = 0.15) -> None:
-        super().__init__(name="hvdm-feed", daemon=True)
-        self.client, self.mark, self.sink, self.period = client, mark, sink, period
-        self.seen: set = set()
-        self.stopping = threading.Event()
-        self.batches = 0
-        # The cell's metadata dicts, held here: ipyparallel drops them from client.metadata
-        # once the cell's output is complete, which can be before the last drain.
-        self.mds: Dict[str, Any] = {}
-        self._next = time.monotonic() + period
-
-    def pin(self, ar: Any) -> None:
-        """The cell's AsyncResult, right after it was submitted (``Pool.run_cell``)."""
-        try:
-            self.mds.update(zip(ar.msg_ids, ar._metadata))
-        except Exception:  # noqa: BLE001 - falls back to client.metadata
-            pass
-
-    def drain(self) -> int:
-        """Hand new batches to the sink now (any thread); returns how many."""
-        new: List[Mapping[str, Any]] = []
-        try:
-            ids = list(self.client.history[self.mark:])
-        except Exception:  # noqa: BLE001 - client closed
-            return 0
-        for mid in ids:
-            md = self.mds.get(mid)
-            if md is None:
-                md = self.client.metadata.get(mid)
-                if md is not None:
-                    self.mds[mid] = md
-            data = md.get("data") if md is not None else None
-            if not data:
-                continue
-            for key in [k for k in list(data) if k.startswith("hvdm.") and k not in self.seen]:
-                self.seen.add(key)
-                new.append(data[key])
-        new.sort(key=lambda b: (b.get("rank", 0), b.get("seq", 0)))
-        if new:
-            self.batches += len(new)
-            self.sink.ingest(new)
-        return len(new)
-
-    def step(self) -> None:
-        """Drain, then let the sink redraw if due; an error is kept in ``LAST`` (never kills
-        the cell for the UI)."""
-        try:
-            self.drain()
-            self.sink.tick()
-        except Exception as exc:  # noqa: BLE001
-            LAST["feed_error"] = repr(exc)
-
-    def poll(self) -> None:
-        """:meth:`step` at most every ``period`` s: called by ``Pool.run_cell``'s wait loop
-        on the kernel's main thread (woken by every message from the ranks, at least every
-        50 ms), so a cell needs no feed thread of its own."""
-        now = time.monotonic()
-        if now < self._next:
-            return
-        self._next = now + self.period
-        self.step()
-
-    def run(self) -> None:
-        while not self.stopping.wait(self.period):
-            self.step()
-
-    def stop(self) -> None:
-        self.stopping.set()
-        if self.is_alive() and threading.current_thread() is not self:
-            self.join(2.0)
-
-
 def telemetry_interval() -> float:
     """Seconds between telemetry batches: ``HVD_MAGIC_TELEMETRY_INTERVAL`` (default 0.25),
-    read when a cell starts."""
+    read when a sink is made."""
     try:
         value = float(os.environ.get("HVD_MAGIC_TELEMETRY_INTERVAL", "0.25"))
     except ValueError:
@@ -190,72 +106,12 @@ def telemetry_interval() -> float:
     return value if value > 0 else 0.25
 
 
-#: Seconds to wait for the ranks to switch their telemetry on or off.
-SWITCH_TIMEOUT = 30.0
-
-
-def _enable_telemetry(pool: Any, interval: float) -> None:
-    if getattr(pool, "_hvdm_telemetry", None) == interval:
-        return
-    from . import telemetry
-    pool.client[:].apply_async(telemetry.enable, interval).get(SWITCH_TIMEOUT)
-    pool._hvdm_telemetry = interval
-
-
-def _disable_telemetry(pool: Any) -> None:
-    """A cell without a live sink (``--no-stream``): the ranks stop their per-cell
-    telemetry (timeline subscription, batch thread) until a live cell turns it on again.
-    One round trip, only when the mode changes."""
-    if getattr(pool, "_hvdm_telemetry", None) is None:
-        return
-    from . import telemetry
-    pool.client[:].apply_async(telemetry.disable).get(SWITCH_TIMEOUT)
-    pool._hvdm_telemetry = None
-
-
-def run_cell(pool: Any, code: str, sink: Any, ranks: Optional[Sequence[int]] = None,
-             timeout: Optional[float] = None, interval: Optional[float] = None) -> Any:
-    """``pool.run_cell`` with live telemetry for sinks that want it (``sink.live``).
-
-    ``interval``: seconds between the ranks' telemetry batches (default
-    ``HVD_MAGIC_TELEMETRY_INTERVAL``, 0.25).
-
-    The one call the ``%%hvd`` magic makes instead of ``pool.run_cell``; for other sinks it
-    is exactly ``pool.run_cell``.
-    """
-    run = pool.run_cell
-    if not getattr(sink, "live", False):
-        _disable_telemetry(pool)
-        return run(code, sink, ranks=ranks, timeout=timeout)
-    if getattr(sink, "feed", None) is not None:
-        return run(code, sink, ranks=ranks, timeout=timeout)
-    _enable_telemetry(pool, telemetry_interval() if interval is None else interval)
-    targets = pool.targets(ranks)
-    sink.begin(targets, baseline_for(code), pool.size)
-    # The feed runs from the pool's wait loop (sink.poll), not on a thread of its own: no
-    # thread to start and join for every cell.
-    feed = CellFeed(pool.client, len(pool.client.history), sink)
-    sink.feed = feed
-    t0 = time.time()
-    try:
-        outcome = run(code, sink, ranks=ranks, timeout=timeout)
-    except PoolCellError as exc:
-        feed.stop()
-        sink.failed(exc)
-        raise
-    except BaseException:
-        feed.stop()
-        sink.finalize()
-        raise
-    feed.stop()
-    sink.finalize()
-    cell = sink.cell
-    if cell is not None and len(targets) == 1 and pool.size == 1:
+def _record_baseline(cell: Optional[CellState], code: str, size: int) -> None:
+    """A 1-rank pool's throughput becomes the baseline of later cells with the same code."""
+    if cell is not None and size == 1 and len(cell.ranks) == 1:
         rate = cell.total_rate()
         if rate:
             BASELINES[workload_key(code)] = rate
-    LAST["wall_s"] = time.time() - t0
-    return outcome
 
 
 # ---------------------------------------------------------------------------- text
@@ -271,25 +127,23 @@ class TelemetryTextSink(TextSink):
         super().__init__(**kw)
         self.cell: Optional[CellState] = CellState(list(ranks or []))
         self.lock = threading.RLock()
-        self.feed: Optional[CellFeed] = None
+        self.telemetry_interval = telemetry_interval()
+        self.batches = 0
+        self.code, self.size = "", 0
         self._said = ""
 
-    def begin(self, ranks: Sequence[int], baseline: Optional[float], size: int) -> None:
-        self.cell = CellState(ranks, baseline)
+    def begin(self, ranks: Sequence[int], size: int, code: str) -> None:
+        self.cell = CellState(ranks, baseline_for(code))
+        self.code, self.size = code, size
         LAST["cell"] = self.cell
 
-    def submitted(self, ar: Any) -> None:
-        """``Pool.run_cell`` sent the cell (``ar``: its AsyncResult)."""
-        if self.feed is not None:
-            self.feed.pin(ar)
-
     def poll(self) -> None:
-        """``Pool.run_cell``'s wait loop: new telemetry, at most every feed period."""
-        if self.feed is not None:
-            self.feed.poll()
+        """``Pool.run_cell``'s wait loop: a stall line when one is due."""
+        self.tick()
 
     def ingest(self, batches: Sequence[Mapping[str, Any]]) -> None:
         with self.lock:
+            self.batches += len(batches)
             for b in batches:
                 if self.cell.stall_after_s != b.get("stall_s", self.cell.stall_after_s):
                     self.cell.stall_after_s = float(b["stall_s"])
@@ -307,11 +161,10 @@ class TelemetryTextSink(TextSink):
         self.finalize()
 
     def finalize(self) -> None:
-        if self.feed is not None:
-            self.feed.drain()
         with self.lock:
             self.cell.finish()
             text = self.cell.summary_text()
+        _record_baseline(self.cell, self.code, self.size)
         self.status(text)
 
 
@@ -446,8 +299,10 @@ class _Renderer:
             time.sleep(self.period)
             with self.mu:
                 for sink in list(self.sinks):
-                    if sink.feed is not None:
-                        sink.feed.step()
+                    try:
+                        sink.tick()
+                    except Exception as exc:  # noqa: BLE001 - never kill the cell for the UI
+                        LAST["render_error"] = repr(exc)
 
 
 RENDERER = _Renderer()
@@ -500,7 +355,9 @@ class WidgetSink:
         self.rollover = rollover
         self.max_lines = max_lines
         self.cell: Optional[CellState] = CellState(list(ranks or []), max_lines=max_lines)
-        self.feed: Optional[CellFeed] = None
+        self.telemetry_interval = telemetry_interval()
+        self.batches = 0
+        self.code, self.size = "", 0
         self._pending_rows: List[Any] = []
         self._drawn: Dict[Any, Any] = {}
         self._last = 0.0
@@ -596,16 +453,14 @@ class WidgetSink:
         with self.lock:
             for log in self.cell.logs.values():
                 log.flush()
-        if self.feed is None:        # used without run_cell: no telemetry, finish here
-            self.finalize()
-        else:
-            self.render()
+        self.render()
 
-    # -- telemetry (feed thread)
-    def begin(self, ranks: Sequence[int], baseline: Optional[float], size: int) -> None:
+    # -- the cell as a whole (Pool.run_cell)
+    def begin(self, ranks: Sequence[int], size: int, code: str) -> None:
         with self.lock:
             old = self.cell
-            self.cell = CellState(ranks, baseline, max_lines=self.max_lines)
+            self.code, self.size = code, size
+            self.cell = CellState(ranks, baseline_for(code), max_lines=self.max_lines)
             self.cell.notes = old.notes
             LAST["cell"] = self.cell
             LAST["sink"] = self
@@ -614,19 +469,15 @@ class WidgetSink:
         if self.feed_in_background:
             RENDERER.add(self)
 
-    def submitted(self, ar: Any) -> None:
-        """``Pool.run_cell`` sent the cell (``ar``: its AsyncResult)."""
-        if self.feed is not None:
-            self.feed.pin(ar)
-
     def poll(self) -> None:
-        """``Pool.run_cell``'s wait loop: new telemetry, at most every feed period (unless the
-        background renderer does it)."""
-        if self.feed is not None and not self.feed_in_background:
-            self.feed.poll()
+        """``Pool.run_cell``'s wait loop: redraw when due (unless the background renderer
+        does it)."""
+        if not self.feed_in_background:
+            self.tick()
 
     def ingest(self, batches: Sequence[Mapping[str, Any]]) -> None:
         with self.lock:
+            self.batches += len(batches)
             for b in batches:
                 self.cell.stall_after_s = float(b.get("stall_s", self.cell.stall_after_s))
                 if self._t0_us is None and b.get("t0"):
@@ -743,10 +594,9 @@ class WidgetSink:
 
     def finalize(self) -> None:
         RENDERER.remove(self)
-        if self.feed is not None:
-            self.feed.drain()
         with self.lock:
             self.cell.finish()
+        _record_baseline(self.cell, self.code, self.size)
         self.render()
         with self.lock:
             snap = snapshot_html(self.cell)

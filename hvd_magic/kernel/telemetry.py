@@ -1,6 +1,7 @@
-"""Engine side of the widgets: runs inside each pool rank. Standard library only at import.
+"""Telemetry of a running cell: runs inside each pool rank, for the live panel (widgets) and
+the text summary. Standard library only at import.
 
-``report(samples=n)`` counts samples (cheap: one addition). :func:`enable` (called once per
+:func:`enable` (called once per
 pool through ``apply``) hooks IPython's ``pre_run_cell`` / ``post_run_cell`` on the engine:
 while a cell runs, the rank subscribes to the runtime's timeline events and a background
 thread sends one batch every ``interval`` seconds with ipyparallel's ``publish_data``
@@ -9,7 +10,7 @@ that cell's metadata). Keys are ``hvdm.<rank>.<seq>`` so no batch overwrites ano
 
 A batch (plain dict): ``rank, seq, t, t0`` (cell start), ``status`` (running / done /
 failed), ``error``, ``samples`` (cumulative) and ``samples_t`` (time of the latest report),
-``spans`` (merged phase spans, see :func:`..model.compact_events`), ``busy_us`` (time with a
+``spans`` (merged phase spans, see :func:`hvd_magic.widgets.model.compact_events`), ``busy_us`` (time with a
 collective in flight in this batch), ``pending`` (``hvd.pending()``).
 """
 from __future__ import annotations
@@ -24,17 +25,7 @@ from typing import Any, Optional
 MAX_SPANS = int(os.environ.get("HVD_MAGIC_TELEMETRY_MAX_SPANS", "200"))   # per batch; 0: all
 INTERVAL = float(os.environ.get("HVD_MAGIC_TELEMETRY_INTERVAL", "0.25"))
 
-_samples = 0
-_samples_t: Optional[float] = None
-
-
-def report(samples: int) -> None:
-    """Count ``samples`` processed by this rank (call once per step); the widgets turn the
-    counts into samples/s per rank, in total, and scaling efficiency. Costs ~0.2 us."""
-    global _samples, _samples_t
-    _samples += samples
-    _samples_t = time.time()
-
+from ..collectives.progress import progress, reset_progress
 
 class _Telemetry:
     def __init__(self, interval: float = INTERVAL) -> None:
@@ -78,7 +69,6 @@ class _Telemetry:
             self.unsub = None
 
     def pre(self, *_a: Any) -> None:
-        global _samples, _samples_t
         self.subscribe_fn = None
         try:
             import hvd_magic.collectives as hvd
@@ -93,7 +83,7 @@ class _Telemetry:
             self.subscribe_fn = None
         with self.lock:
             self.events.clear()
-            _samples, _samples_t = 0, None
+            reset_progress()
             self.t0 = time.time()
             self.sent = 0
             self.window = None
@@ -119,7 +109,7 @@ class _Telemetry:
             # A cell that sent nothing yet and has nothing to say (no collective, no samples,
             # no error) sends no final batch either: the client marks it done from the
             # execute reply, and an empty cell costs one message less each way.
-            empty = self.sent == 0 and not self.events and _samples_t is None
+            empty = self.sent == 0 and not self.events and progress()[1] is None
         if err is not None:
             self.send("failed", f"{type(err).__name__}: {err}")
         elif not empty:
@@ -147,7 +137,7 @@ class _Telemetry:
                     pass
 
     def batch(self, status: str, error: str = "") -> dict:
-        from .model import compact_tail
+        from ..widgets.model import compact_tail   # pure: merges events into spans
         q = self.events
         events = [q.popleft() for _ in range(len(q))]
         now = time.time()
@@ -174,8 +164,9 @@ class _Telemetry:
             except Exception:  # noqa: BLE001
                 pass
         self.seq += 1
+        samples, samples_t = progress()
         return {"rank": self.rank, "seq": self.seq, "t": now, "t0": self.t0,
-                "status": status, "error": error, "samples": _samples, "samples_t": _samples_t,
+                "status": status, "error": error, "samples": samples, "samples_t": samples_t,
                 "spans": spans, "cut_us": cut, "busy_us": busy, "sampled_us": covered * 1e6,
                 "pending": pending, "stall_s": self.stall_s}
 
