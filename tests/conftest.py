@@ -1,11 +1,5 @@
-import os
 import sys
 from pathlib import Path
-
-# A live panel lowers its process's scheduler autogroup (HVD_MAGIC_KERNEL_NICE): in a
-# kernel that is its own session, but the test process shares its group with the whole CI
-# run, which must not be lowered. Tests that want it set it for the kernels they start.
-os.environ.setdefault("HVD_MAGIC_KERNEL_NICE", "0")
 
 sys.path.insert(0, str(Path(__file__).parent))
 

@@ -213,11 +213,12 @@ def _drop_bokeh_loader() -> None:
 
 
 def kernel_nice() -> int:
-    """``HVD_MAGIC_KERNEL_NICE`` (default 19; 0 leaves the kernel's priority alone)."""
+    """``HVD_MAGIC_KERNEL_NICE`` (default 0: the kernel's priority is left alone; it cannot
+    be raised again without CAP_SYS_NICE, so lowering it is the user's choice)."""
     try:
-        return max(0, min(19, int(os.environ.get("HVD_MAGIC_KERNEL_NICE", "19"))))
+        return max(0, min(19, int(os.environ.get("HVD_MAGIC_KERNEL_NICE", "0"))))
     except ValueError:
-        return 19
+        return 0
 
 
 def lower_autogroup_priority(nice: int, path: str = "/proc/self/autogroup") -> Optional[int]:
