@@ -13,7 +13,7 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 setup: $(STAMP)
 
 # Idempotent: re-runs only when the pins or the package metadata change.
-$(STAMP): pyproject.toml setup.py hvd_magic/collectives/backends/_stream.c requirements/constraints.txt
+$(STAMP): pyproject.toml requirements/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	command -v chromium || (apt-get -o APT::Sandbox::User=root update && apt-get -o APT::Sandbox::User=root install -y --no-install-recommends chromium)
 	$(PIP) install -q --disable-pip-version-check -c requirements/constraints.txt \

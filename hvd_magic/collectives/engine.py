@@ -61,15 +61,6 @@ def _env_float(name: str, default: float) -> float:
         raise ValueError(f"{name}={raw!r} is not a number") from None
 
 
-def _allreduce_path() -> str:
-    path = os.environ.get("HVD_MAGIC_ALLREDUCE_PATH", "auto").strip().lower() or "auto"
-    if path not in ("auto", "shm", "shm-stream", "mpi"):
-        raise ValueError(f"HVD_MAGIC_ALLREDUCE_PATH={path!r}: use 'auto' (measure which way is "
-                         "fastest), 'shm' (shared memory on one host), 'shm-stream' (the same, "
-                         "written with streaming stores) or 'mpi' (MPI calls only)")
-    return path
-
-
 @dataclass
 class Config:
     """Runtime settings, from Horovod's environment variables."""
@@ -78,9 +69,6 @@ class Config:
     fusion_threshold: int = 64 * 1024 * 1024
     allreduce_chunk: int = 1024 * 1024    # bytes per MPI call for big allreduces; 0: one call
     cache_capacity: int = 1024            # announcements remembered per rank; 0: no caching
-    shm_min: int = 128 * 1024             # allreduces this big may go through shared memory; -1: never
-    shm_big_slot: int = 16 * 1024 * 1024  # the shared-memory way in big pieces (tune.py); 0: never
-    allreduce_path: str = "auto"          # auto (measured per size), shm, shm-stream, mpi
     stall_check_s: float = 60.0          # 0 disables the warning
     stall_shutdown_s: float = 0.0        # 0: never fail stalled requests
     cpu_operations: str = "mpi"
@@ -100,9 +88,6 @@ class Config:
             fusion_threshold=int(_env_float("HOROVOD_FUSION_THRESHOLD", 64 * 1024 * 1024)),
             allreduce_chunk=max(0, int(_env_float("HVD_MAGIC_ALLREDUCE_CHUNK_MB", 1.0) * 2**20)),
             cache_capacity=max(0, int(_env_float("HOROVOD_CACHE_CAPACITY", 1024))),
-            shm_min=max(0, int(_env_float("HVD_MAGIC_SHM_MIN_KB", 128.0) * 1024)),
-            shm_big_slot=max(0, int(_env_float("HVD_MAGIC_SHM_BIG_MB", 16.0) * 2**20)),
-            allreduce_path=_allreduce_path(),
             stall_check_s=stall,
             stall_shutdown_s=_env_float("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0.0),
             cpu_operations=cpu_ops,
@@ -124,11 +109,6 @@ class Engine:
         self.codec = AnnCodec(self.size, self.rank, cap=config.cache_capacity)
         self._codec_resets = 0
         self._sent: list = []        # the Anns of this rank's latest message
-        # Cycles taken from the cycle cache that held one allreduce of this rank, by its Ann
-        # (unnamed: all but the name): (the message bytes, every rank's bytes, the decision,
-        # the codec's resets then, the codec moves to replay or None). See _fast_cycle.
-        self._fast: dict = {}
-        self.fast_cycles = 0         # cycles run that way (tests read it)
         self.cycle_cache = CycleCache(cap=min(256, config.cache_capacity))
         # The engine thread sleeps on ``_bell`` (a lock used as a doorbell: released = rung).
         # Plain locks are C-level and release the GIL while blocked, keeping hand-offs cheap.
@@ -177,9 +157,7 @@ class Engine:
         self._torch_backend = None
         self.writer: Optional[TimelineWriter] = None
         from .backends.mpi import MPIBackend
-        self.mpi_backend = MPIBackend(comm, timeline, config.allreduce_chunk,
-                                      config.shm_min if config.cpu_operations == "mpi" else -1,
-                                      config.allreduce_path, config.shm_big_slot)
+        self.mpi_backend = MPIBackend(comm, timeline, config.allreduce_chunk)
         # CPU tensors this big are reduced alone, never fused (plan_fusion)
         self._alone = config.allreduce_chunk if config.cpu_operations == "mpi" else 0
         self.thread = threading.Thread(target=self._main, name=f"hvd_magic-engine-{self.rank}",
@@ -409,10 +387,7 @@ class Engine:
             if self._px is None:
                 if not self._has_news():
                     return
-                if self._fast and self._fast_cycle():
-                    return
-                if self._px is None:
-                    self._post_exchange(self._take_message())
+                self._post_exchange(self._take_message())
             req = self._px[0]
             if not req.Test():
                 t0 = time.perf_counter()
@@ -429,73 +404,6 @@ class Engine:
                 self._ring()
             _restore_sigint(deferred)
 
-    def _fast_cycle(self) -> bool:
-        """The cycle of a lone blocking allreduce that recurs (a training loop's steady
-        state), in fewer steps; the caller holds the cycle lock and ``_px`` is None. False:
-        not such a cycle, or its exchange posted (the caller finishes it); True: done, or
-        posted for the engine thread to finish.
-
-        The same steps as the usual way (``_take_message``, ``_post_exchange``,
-        ``_finish_exchange``, ``_after_exchange``) where the message is the one request's
-        and every rank's bytes are those of a cycle taken from the cycle cache before with
-        this one allreduce (``_fast``): then the decision is that cycle's, as the cache
-        would give it. Anything else (other bytes from any rank, codec counters that no
-        longer pair) goes on the usual way from the step it got to. At 2 ranks, 4 KiB:
-        3-4 us less a call (benchmarks/README.md, ninth session)."""
-        new = self._new
-        if (len(new) != 1 or self._cancels or self._join_announce or self._shutdown_announce
-                or self._eager_max or self.tl.active or self.tl._rec or self.neg.busy):
-            return False
-        a = new[0].ann
-        f = self._fast.get(_fast_key(a))
-        if f is None or f[3] != self.codec.resets:
-            return False
-        new.popleft()
-        self._urgent = False
-        self._sent = [a]
-        wire = self.codec.encode((a,))        # (as _take_message: the codec moves on)
-        data = f[0]
-        if marshal.dumps((wire, (), False, False, (), ())) != data:
-            self._post_exchange(_tuple_new(RankMsg, (wire, (), False, False, (), ())))
-            return False
-        if data is not self._sent_data:
-            self._load_send(data)
-        self._in_cycle_since = time.monotonic()
-        req = self.comm.Iallgather(self._send, self._recv)
-        self._px = (req, data, True)
-        if not req.Test():
-            t0 = time.perf_counter()
-            while not req.Test():
-                if time.perf_counter() - t0 > INLINE_SPIN_S:
-                    return True               # the engine thread finishes it
-        key, slot, mv = f[1], self._slot, self._recv_mv
-        lens = self._recv_lens.ravel().tolist()
-        same = True
-        for rk in range(self.size):
-            n = lens[rk]
-            if n != len(key[rk]) or mv[rk * slot + 8:rk * slot + 8 + n] != key[rk]:
-                same = False
-                break
-        if same and (f[4] is None or self.codec.replay(f[4])):
-            resp = f[2]
-            if f[4] is not None:
-                resp.name = a[0]              # an unnamed call: this call's number
-            self._px = None
-            self._in_cycle_since = 0.0
-            self.cycle_cache.hits += 1
-            self.cycles += 1
-            self.fast_cycles += 1
-            self._empty_streak = 0
-            now = time.monotonic()
-            self._reduce([resp], now)
-            if now >= self._next_tick:
-                self._next_tick = now + 0.2
-                self._stall_tick(now)
-            return True
-        if self._after_exchange(*self._finish_exchange(done=True)):
-            self._inline_exc = _Stop()
-        return True
-
     def _after_exchange(self, msgs: Optional[list], key: Optional[tuple] = None,
                         hit: Optional[tuple] = None) -> bool:
         """Decide and carry out one cycle from every rank's message (or the decisions of
@@ -505,13 +413,6 @@ class Engine:
         now = time.monotonic()
         if hit is not None:
             responses, plan = hit[0], hit[1]
-            if len(responses) == 1 and len(self._sent) == 1:
-                r, a = responses[0], self._sent[0]
-                if r.kind == "allreduce" and r.data is None and r.error is None:
-                    if len(self._fast) >= 64:
-                        self._fast.clear()
-                    self._fast[_fast_key(a)] = (
-                        self._sent_data, key, r, self.codec.resets, hit[2])
         else:
             with self._table_lock:
                 keep = key is not None and not self.neg.busy
@@ -804,12 +705,6 @@ class Engine:
                     f"other ranks have not taken part in negotiation for {now - self._in_cycle_since:.1f} s "
                     f"(HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={kill:g}); check that every rank runs the "
                     "same collectives"))
-
-
-def _fast_key(a: Ann) -> tuple:
-    """Where ``Engine._fast`` keeps the cycle of a lone allreduce: by its Ann, or for an
-    unnamed call (a new number every call) by all of it but the name."""
-    return a if ".noname." not in a[0] else a[1:]
 
 
 class _Stop(Exception):

@@ -84,13 +84,10 @@ def init(comm: Optional[Any] = None) -> None:
         # (fusion buckets, backends, chunk boundaries) or read each other's announcement
         # tables differently: rank 0's values hold. Chunking is for ranks that share memory
         # (measured there; see backends/mpi.py).
-        (cfg.fusion_threshold, cfg.cpu_operations, chunk, cfg.cache_capacity, shm_min,
-         cfg.allreduce_path, cfg.shm_big_slot) = mine.bcast(
-            (cfg.fusion_threshold, cfg.cpu_operations, cfg.allreduce_chunk, cfg.cache_capacity,
-             cfg.shm_min, cfg.allreduce_path, cfg.shm_big_slot), root=0)
-        one_host = local.Get_size() == mine.Get_size()
-        cfg.allreduce_chunk = chunk if one_host else 0
-        cfg.shm_min = shm_min if one_host else -1
+        (cfg.fusion_threshold, cfg.cpu_operations, chunk, cfg.cache_capacity) = mine.bcast(
+            (cfg.fusion_threshold, cfg.cpu_operations, cfg.allreduce_chunk, cfg.cache_capacity),
+            root=0)
+        cfg.allreduce_chunk = chunk if local.Get_size() == mine.Get_size() else 0
         tl = Timeline(mine.Get_rank())
         _state.comm = base
         _state.rank, _state.size = mine.Get_rank(), mine.Get_size()
@@ -117,22 +114,16 @@ _malloc_tuned: Optional[bool] = None
 
 
 def tune_malloc(env: Mapping[str, str]) -> bool:
-    """Keep freed memory of up to 32 MiB blocks in the heap (glibc; once per process).
-
-    glibc serves each allocation over 128 KiB (until it has freed a bigger one) with a fresh
-    mmap and hands it back on free, and it returns the heap's free top above 128 KiB to the
-    kernel: every such tensor, packing buffer or Open MPI temporary then costs page faults
-    and an unmap that stops the process's other threads. A 100 x 4 KiB grouped_allreduce
-    at 2 ranks took 506-560 us in a fresh process, with ~113 page faults a call; with the
-    mmap threshold at 32 MiB and the trim threshold at 64 MiB, 223-262 us (the mmap
-    threshold alone: no gain). Left alone when ``HVD_MAGIC_MALLOC_TUNE=0`` or when the user
-    tunes malloc (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``GLIBC_TUNABLES``,
-    ``LD_PRELOAD`` of another allocator). Returns True when it set them."""
+    """``HVD_MAGIC_MALLOC_TUNE=1`` (opt-in): keep freed blocks of up to 32 MiB in glibc's
+    heap instead of unmapping them, for the rest of the process (the mmap threshold at 32 MiB,
+    the trim threshold at 64 MiB). Left alone by default, and when the user tunes malloc
+    (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``GLIBC_TUNABLES``, ``LD_PRELOAD``
+    of another allocator). Returns True when it set them."""
     global _malloc_tuned
     if _malloc_tuned is not None:
         return _malloc_tuned
     _malloc_tuned = False
-    if env.get("HVD_MAGIC_MALLOC_TUNE", "1") == "0" or any(
+    if env.get("HVD_MAGIC_MALLOC_TUNE", "0") in ("", "0") or any(
             env.get(k) for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
                                  "GLIBC_TUNABLES", "LD_PRELOAD")):
         return False

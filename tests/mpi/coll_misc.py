@@ -14,7 +14,6 @@ import numpy as np
 from mpi4py import MPI
 
 import hvd_magic.collectives as hvd
-from hvd_magic.collectives.backends.shm import STREAMING
 
 TMP = sys.argv[1]
 EAGER = os.environ.get("HVD_MAGIC_EAGER") == "1"   # small allreduces ride in the negotiation
@@ -198,17 +197,13 @@ def _():
             check(step == 1 and "allreduce.noname." in str(e), f"unnamed mismatch step {step}: {e}")
 
 
-@section("a recurring lone allreduce, in fewer steps")
+@section("a recurring lone allreduce")
 def _():
     # A blocking allreduce whose cycle recurs (named or unnamed, several in turn as in a
-    # training step) runs that cycle in fewer steps (Engine._fast_cycle). Every way out of
-    # it must end as the usual way does: another name with the same fields (not taken for
-    # the kept one), other bytes of this rank (an unnamed call's number that skipped one),
-    # another rank's other shape (a mismatch error on every rank), a late rank (the engine
-    # thread finishes the posted cycle), an async request of another rank.
-    from hvd_magic.collectives import state
-    eng = state.engine()
-    fast0 = eng.fast_cycles
+    # training step), then the ways such a loop changes: another name with the same fields,
+    # an unnamed call's number that skipped one, another rank's other shape (a mismatch
+    # error on every rank), a late rank (the engine thread finishes the posted cycle), an
+    # async request of another rank.
     for step in range(15):
         x = np.full(6, float(r + step))
         hvd.allreduce_(x, name="fast.a", op=hvd.Sum)
@@ -217,8 +212,6 @@ def _():
         check(np.allclose(y, step * (n - 1) / 2), f"unnamed step {step}: {y[:2]}")
         z = hvd.allreduce(np.full(6, float(r)), name="fast.b", op=hvd.Max)
         check(np.allclose(z, n - 1), f"fast.b step {step}: {z[:2]}")
-    if not EAGER and eng.inline and os.environ.get("HOROVOD_CACHE_CAPACITY") != "0":
-        check(eng.fast_cycles - fast0 >= 10, f"{eng.fast_cycles - fast0} cycles in fewer steps")
     # the fields of fast.a under another name: this rank's bytes differ
     x = np.full(6, float(r))
     hvd.allreduce_(x, name="fast.c", op=hvd.Sum)
@@ -515,25 +508,19 @@ def _():
     with_env(HOROVOD_FUSION_THRESHOLD=None)
 
 
-def chunked_allreduces(way: str):
-    # Big allreduces run as several MPI calls (way "mpi") or through the shared-memory
-    # segment in slots of the chunk size ("shm"; "shm-stream": the same, each rank's input
-    # written with streaming stores); every rank must cut at the same places,
+@section("big allreduces cut into chunks")
+def _():
+    # Big allreduces run as several MPI calls; every rank must cut at the same places,
     # so rank 0's HVD_MAGIC_ALLREDUCE_CHUNK_MB holds even when another rank's differs. A chunk
     # of 104 bytes (26 float32, 13 float64) puts boundaries inside every tensor below.
-    shm = way != "mpi"
     hvd.shutdown()
     # (the other settings every rank must share get rank 0's values the same way)
     with_env(HVD_MAGIC_ALLREDUCE_CHUNK_MB="0.0001" if r == 0 else "5",
              HOROVOD_FUSION_THRESHOLD="1048576" if r == 0 else "0",
-             HOROVOD_CACHE_CAPACITY="7" if r == 0 else "0",
-             HVD_MAGIC_ALLREDUCE_PATH=way if r == 0 else ("mpi" if shm else "shm"),
-             HVD_MAGIC_SHM_MIN_KB="0" if r == 0 else "100000")
+             HOROVOD_CACHE_CAPACITY="7" if r == 0 else "0")
     hvd.init()
     from hvd_magic.collectives import state
     eng = state.engine()
-    seg = eng.mpi_backend.shm
-    check((seg is not None) == (shm and n > 1), f"shared-memory segment {seg}")
     check(eng.mpi_backend.chunk == 104, f"chunk {eng.mpi_backend.chunk}")
     check(eng.cfg.fusion_threshold == 1048576, f"fusion threshold {eng.cfg.fusion_threshold}")
     check(eng.codec.cap == 7, f"announcement table size {eng.codec.cap}")
@@ -555,8 +542,8 @@ def chunked_allreduces(way: str):
     outs = hvd.grouped_allreduce(parts, name="chunk group")
     check(all(np.allclose(o, (n - 1) / 2 + k) for o, k in zip(outs, (7, 130, 1, 61, 400))),
           "fused Average")
-    big = hvd.allreduce(np.full(1 << 17, float(r), dtype=np.float32), name="chunk pool")
-    check(np.allclose(big, (n - 1) / 2), "pooled-size Average")
+    big = hvd.allreduce(np.full(1 << 17, float(r), dtype=np.float32), name="chunk big")
+    check(np.allclose(big, (n - 1) / 2), "Average of 512 KiB")
     half = hvd.allreduce(np.full(777, r + 0.5, np.float16), name="chunk half", op=hvd.Sum)
     check(half.dtype == np.float16 and np.allclose(half, sum(k + 0.5 for k in range(n))), "float16 Sum")
     try:
@@ -592,138 +579,8 @@ def chunked_allreduces(way: str):
                  if e["pid"] == 0]
         for i in (1, 3, 5):
             check([f"mix{i}"] in calls, f"mix{i} not alone in one call: {calls}")
-        # the timeline says which way the data went
-        ways = {e["args"].get("path") for e in xevents(load_timeline(path), "MPI_ALLREDUCE")}
-        want = {way if STREAMING or way == "shm" else "shm"} if shm and n > 1 else {"chunks", "one"}
-        check(ways == want, f"paths on the timeline: {ways}")
-    if seg is not None:
-        # every rank computes the whole result from the same slots in the same order: the
-        # results are the same bits everywhere, also for sums that round
-        noise = np.random.default_rng(r).standard_normal(3001).astype(np.float32)
-        got = hvd.allreduce(noise, name="chunk bits")
-        check(np.allclose(got, np.mean([np.random.default_rng(k).standard_normal(3001).astype(np.float32)
-                                         for k in range(n)], axis=0), atol=1e-5), "Average of noise")
-        check(len(set(hvd.allgather_object(got.tobytes()))) == 1, "results differ between ranks")
-        # every allreduce above went through the segment; nothing of it is left in /dev/shm
-        check(seg.calls >= (3 if EAGER else 12), f"shared-memory allreduces: {seg.calls}")
-        check(not [f for f in os.listdir(os.path.dirname(seg.path)) if f.startswith("hvd_magic-")],
-              f"segment files left in {os.path.dirname(seg.path)}")
     hvd.shutdown()
-    with_env(HVD_MAGIC_ALLREDUCE_CHUNK_MB=None, HOROVOD_FUSION_THRESHOLD=None, HOROVOD_CACHE_CAPACITY=None,
-             HVD_MAGIC_ALLREDUCE_PATH=None, HVD_MAGIC_SHM_MIN_KB=None)
-
-
-@section("big allreduces cut into chunks: MPI calls")
-def _():
-    chunked_allreduces("mpi")
-
-
-@section("big allreduces cut into chunks: shared memory")
-def _():
-    chunked_allreduces("shm")
-
-
-@section("big allreduces cut into chunks: shared memory written with streaming stores")
-def _():
-    chunked_allreduces("shm-stream")
-
-
-@section("no shared-memory segment to be had")
-def _():
-    # Rank 0 cannot create the segment (here: its directory does not exist; a full /dev/shm
-    # fails the same way, at posix_fallocate): every rank goes on with MPI calls.
-    from hvd_magic.collectives import state
-    hvd.shutdown()
-    with_env(HVD_MAGIC_SHM_DIR=os.path.join(TMP, "no", "such", "dir"), HVD_MAGIC_ALLREDUCE_PATH="shm")
-    hvd.init()
-    check(state.engine().mpi_backend.shm is None, "a segment where none can be made")
-    got = hvd.allreduce(np.full(1 << 17, float(r)), name="noshm")
-    check(np.allclose(got, (n - 1) / 2), f"allreduce without a segment: {got[:2]}")
-    hvd.shutdown()
-    with_env(HVD_MAGIC_SHM_DIR=None, HVD_MAGIC_ALLREDUCE_PATH=None)
-
-
-@section("the data path chosen by measuring")
-def _():
-    # HVD_MAGIC_ALLREDUCE_PATH=auto (the default): per size class each candidate way (shared
-    # memory in slots of the chunk, shared memory in big pieces, one MPI call; MPI calls of
-    # the chunk where there is no segment) is tried in turn, then every rank takes rank 0's
-    # verdict. Every rank must choose the same way at the same call, whatever its own
-    # timings, or the ranks would pair different calls (a hang). The big pieces are 4,194
-    # bytes here, so the sizes below go as 2, 3 and 4 of them.
-    from hvd_magic.collectives import state
-    from hvd_magic.collectives.backends import tune
-    hvd.shutdown()
-    with_env(HVD_MAGIC_ALLREDUCE_CHUNK_MB="0.001", HVD_MAGIC_SHM_MIN_KB="1",
-             HVD_MAGIC_SHM_BIG_MB="0.004" if r == 0 else "0")   # rank 0's value holds
-    hvd.init()
-    be = state.engine().mpi_backend
-    check(be.shm_big is None, "the segment of big pieces mapped before it is needed")
-    sizes = (1100, 2100, 4100)                   # float32 over 4 KiB (never eager): 3 sizes
-    calls = (len(be._candidates(4 * 3000)) * (tune.TRIALS + tune.RETRIALS) + 2) + 3
-    be.tuner.revisit = be.tuner.first_revisit = 5   # look again soon: the retrials run here too
-    # Skew what each rank measures: rank 0 finds the first candidate fastest, the others the
-    # last one. Only rank 0's verdict may count.
-    record = be.tuner.record
-
-    def skewed(nbytes, cands, what, path, seconds):
-        favourite = cands[0] if r == 0 else cands[-1]
-        return record(nbytes, cands, what, path, seconds * (1 if path == favourite else 100))
-
-    be.tuner.record = skewed
-    # Watch settled calls every 2 calls, and let rank 0 alone find drift at every other
-    # check: every rank must start the same round of trials at the same call.
-    watch = (tune.WATCH, tune.WATCH_BYTES)
-    tune.WATCH, tune.WATCH_BYTES = 2, 1
-    alarms, checks = [], [0]
-    checked = be.tuner.checked
-
-    def counted(nbytes, cands, what, slower):
-        alarms.append(slower)
-        checked(nbytes, cands, what, slower)
-
-    def every_other(nbytes, cands, what=""):
-        checks[0] += 1
-        return checks[0] % 2 == 0
-
-    be.tuner.checked = counted
-    if r == 0:
-        be.tuner.drifted = every_other
-    for i in range(calls):
-        for k in sizes:
-            x = np.full(k, float(r + i), dtype=np.float32)
-            hvd.allreduce_(x, op=hvd.Sum, name=f"auto.{k}")
-            check(np.array_equal(x, np.full(k, float(sum(q + i for q in range(n))))), f"auto {k} call {i}")
-        g = hvd.allreduce(np.full(2000, float(r * i)), name="auto.avg")
-        check(np.allclose(g, i * (n - 1) / 2), f"auto Average call {i}")
-        # in place Average: the MPI paths scale the result in a pass of their own, so these
-        # calls are timed apart from the Sums of the same size
-        a = np.full(1100, float(r * i), dtype=np.float32)
-        hvd.allreduce_(a, name="auto.avg_")
-        check(np.allclose(a, i * (n - 1) / 2), f"auto Average in place call {i}")
-    settled = be.tuner.settled()
-    check(any(what == "scaled" for (_, _, what) in settled), f"no class for scaled calls: {settled}")
-    check(len(settled) >= 3 and all(p == cands[0] for (_, cands, _), p in settled.items()),
-          f"not settled on rank 0's verdicts: {settled}")
-    every = hvd.allgather_object(sorted(settled.items()))
-    check(all(e == every[0] for e in every), f"ranks settled differently: {every}")
-    tune.WATCH, tune.WATCH_BYTES = watch
-    every = hvd.allgather_object(alarms)
-    check(all(e == every[0] for e in every), f"ranks acted differently on drift checks: {every}")
-    check(True in alarms and False in alarms, f"drift checks: {alarms}")
-    if n > 1:
-        check(be.shm is not None and be.shm.calls > 0, "shared memory never tried")
-        check(be.shm_big is not None and be.shm_big.slot == 4194 and be.shm_big.calls > 0,
-              f"shared memory in big pieces never tried: {be.shm_big}")
-        want = ("shm", "shm-big") + ("shm-stream",) * STREAMING + ("one",)
-        check(be._candidates(4 * 3000) == want, f"candidates {be._candidates(4 * 3000)}")
-        if STREAMING:
-            check(be._candidates(1040) == ("shm", "shm-stream", "one"), f"candidates {be._candidates(1040)}")
-    else:
-        check(be.shm_big is None and be._candidates(4 * 3000) == ("chunks", "one"),
-              f"one rank: {be.shm_big}, {be._candidates(4 * 3000)}")
-    hvd.shutdown()
-    with_env(HVD_MAGIC_ALLREDUCE_CHUNK_MB=None, HVD_MAGIC_SHM_MIN_KB=None, HVD_MAGIC_SHM_BIG_MB=None)
+    with_env(HVD_MAGIC_ALLREDUCE_CHUNK_MB=None, HOROVOD_FUSION_THRESHOLD=None, HOROVOD_CACHE_CAPACITY=None)
 
 
 @section("HOROVOD_TIMELINE env")
