@@ -15,12 +15,12 @@ of the last three quarters of the calls:
 - post->finish: waiting for the other ranks' messages;
 - finish: reading them (the cycle cache's lookup);
 - after->data: deciding the cycle and dispatching to the backend;
-- data: the backend's data movement (``_chunked_allreduce``), to compare with raw;
+- data: the backend's data movement (``_reduce_into``), to compare with raw;
 - data->return: setting the result and returning to the caller.
 
-``--one`` sends the data as one MPI call (``HVD_MAGIC_ALLREDUCE_PATH=mpi``,
-``HVD_MAGIC_ALLREDUCE_CHUNK_MB=0``): then the data stage makes the very call raw MPI
-makes, and the rest is the runtime's overhead.
+``--one`` sends the data as one MPI call (as ``HVD_MAGIC_ALLREDUCE_CHUNK_MB=0``; by default
+a buffer over 1 MiB goes as MPI calls of 1 MiB): then the data stage makes the very call
+raw MPI makes, and the rest is the runtime's overhead.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ STAGES = [("call->post", "call>", "post>"), ("post", "post>", "post<"),
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--bytes", type=int, default=1 << 20, help="buffer size (>= 128 KiB)")
+    ap.add_argument("--bytes", type=int, default=1 << 20, help="buffer size in bytes")
     ap.add_argument("--rounds", type=int, default=200)
     ap.add_argument("--one", action="store_true", help="the data as one MPI call")
     args = ap.parse_args()
@@ -50,7 +50,7 @@ def main() -> None:
     eng = state.engine()
     backend = eng.mpi_backend
     if args.one:
-        backend.path, backend.chunk = "mpi", 0
+        backend.chunk = 0
     comm = MPI.COMM_WORLD.Dup()
     clock = time.perf_counter
     marks: dict = {}
@@ -69,7 +69,7 @@ def main() -> None:
     wrap(eng, "_post_exchange", "post")
     wrap(eng, "_finish_exchange", "finish")
     wrap(eng, "_after_exchange", "after")
-    wrap(backend, "_chunked_allreduce", "data")
+    wrap(backend, "_reduce_into", "data")
     x = np.zeros(args.bytes // 4, dtype=np.float32)
     x[:] = 0.0
     raws: list = []
@@ -86,7 +86,8 @@ def main() -> None:
             marks.setdefault("ret", []).append(clock())
     if len(marks.get("data>", ())) != len(marks["call>"]):
         raise RuntimeError("some calls did not go through the engine's steps as expected "
-                           "(an allreduce this small has no data stage: use --bytes >= 131072)")
+                           "(with HVD_MAGIC_EAGER=1 an allreduce of 4 KiB or less rides in the "
+                           "negotiation and has no data stage: use more --bytes)")
     keep = slice(len(marks["call>"]) // 4, None)
 
     def med(a: str, b: str) -> float:
