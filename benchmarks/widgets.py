@@ -66,7 +66,7 @@ def main() -> int:
     km, kc = start_new_kernel(kernel_name="python3")
     try:
         run(kc, "%load_ext hvd_magic\n"
-                "from hvd_magic.widgets import sink as _s\n")
+                "from hvd_magic.widgets.session import session as _s\n")
         res = {"widgets": [], "no-stream": []}
         order = ["widgets", "no-stream"]
         run(kc, CELL.format(flags="--no-stream", steps=50, warm=5))      # pool start, warm-up
@@ -75,13 +75,13 @@ def main() -> int:
             for mode in (order if i % 2 == 0 else order[::-1]):
                 flags = "--no-stream" if mode == "no-stream" else ""
                 run(kc, CELL.format(flags=flags, steps=args.steps, warm=20))
-                out = "".join(run(kc, "%hvd pull tput\nprint('TPUT', sum(tput), type(_s.LAST.get('sink')).__name__)"))
+                out = "".join(run(kc, "%hvd pull tput\nprint('TPUT', sum(tput), type(_s().last_sink).__name__)"))
                 val = float(out.split("TPUT")[1].split()[0])
                 res[mode].append(val)
                 print(f"round {i} {mode:9s} {val:9.0f} samples/s (2 ranks) "
                       f"{out.split()[-1] if mode == 'widgets' else ''}", flush=True)
-        live_out = "".join(run(kc, "print(_s.LAST['cell'].summary_text()); "
-                                   "print('batches', _s.LAST['sink'].batches); "
+        live_out = "".join(run(kc, "print(_s().last_cell.summary_text()); "
+                                   "print('batches', _s().last_sink.batches); "
                                    "import os\n"
                                    "if os.path.exists('/proc/self/autogroup'): "
                                    "print('kernel scheduler group:', "

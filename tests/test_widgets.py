@@ -244,7 +244,7 @@ needs_pool = pytest.mark.skipif(shutil.which("mpiexec", path=os.path.dirname(
 def test_two_rank_cell_telemetry_through_text_sink(capsys):
     pytest.importorskip("ipyparallel")
     from hvd_magic.kernel import PoolManager
-    from hvd_magic.widgets import sink as S
+    from hvd_magic.widgets import text as S
     manager = PoolManager()
     try:
         pool = manager.ensure(2, None, None, None)
@@ -314,7 +314,7 @@ def test_background_renderer_drains_ticks_and_lets_go():
     import sys
     import time
 
-    from hvd_magic.widgets.sink import _Renderer
+    from hvd_magic.widgets.panel import _Renderer
 
     class Panel:
         def __init__(self):
@@ -346,7 +346,7 @@ def test_a_finished_panel_leaves_the_renderer():
     leaves it when the cell ends (else finished panels would be redrawn for ever)."""
     pytest.importorskip("ipywidgets")
     pytest.importorskip("jupyter_bokeh")
-    from hvd_magic.widgets import sink as S
+    from hvd_magic.widgets import panel as S
 
     panel = S.WidgetSink(ranks=[0, 1])
     panel.begin([0, 1], 2, "1")
@@ -366,7 +366,7 @@ def test_live_panels_lower_the_kernels_autogroup_priority():
     if not os.path.exists("/proc/self/autogroup"):
         pytest.skip("no scheduler autogroups on this system")
     code = ("import time\n"
-            "from hvd_magic.widgets.sink import _Renderer\n"
+            "from hvd_magic.widgets.panel import _Renderer\n"
             "class P:\n"
             "    feed = None\n"
             "    def tick(self): pass\n"
@@ -395,7 +395,7 @@ def test_live_panels_lower_the_kernels_autogroup_priority():
 
 
 def test_lower_autogroup_priority_only_raises_and_reports(tmp_path):
-    from hvd_magic.widgets.sink import lower_autogroup_priority
+    from hvd_magic.widgets.panel import lower_autogroup_priority
     f = tmp_path / "autogroup"
     f.write_text("/autogroup-12 nice 5\n")
     assert lower_autogroup_priority(3, str(f)) == 5          # never raises priority

@@ -5,8 +5,9 @@ Jupyter comms (ipywidgets, jupyter_bokeh). In a terminal the same information is
 * engine side: :mod:`hvd_magic.kernel.telemetry` (``enable()``), counting what
   ``hvd.report(n)`` (:mod:`hvd_magic.collectives.progress`) reports
 * pure: :mod:`.model` (logs, spans, throughput arithmetic, snapshots), :mod:`.scaling` (pure part)
-* client side: :mod:`.sink` (``make_sink``, ``save_trace``, ``set_baseline``): sinks that
-  ``Pool.run_cell`` feeds with output, telemetry and the cell's end
+* client side, observers of a cell that ``Pool.run_cell`` feeds with output, telemetry and
+  the cell's end: :mod:`.sink` (which renderer), :mod:`.panel` (the live panel),
+  :mod:`.text` (text and summary), :mod:`.session` (what cells share, ``save_trace``)
 
 ipywidgets and bokeh are imported only when a widget is made.
 """
@@ -27,14 +28,14 @@ def make_sink(stream: bool = True, **kw: Any) -> Any:
 
 def save_trace(path: Any = None) -> str:
     """Write the last cell's timeline as Chrome-trace JSON (Perfetto); returns the path."""
-    from .sink import save_trace as _s
+    from .session import save_trace as _s
     return _s(path)
 
 
 def set_baseline(samples_per_s: float, code: Any = None) -> None:
     """The 1-rank samples/s that scaling efficiency compares against."""
-    from .sink import set_baseline as _b
-    _b(samples_per_s, code)
+    from .session import session
+    session().set_baseline(samples_per_s, code)
 
 
 def scale(manager: Any, code: str, nps: Any) -> Any:

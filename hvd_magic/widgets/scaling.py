@@ -94,11 +94,12 @@ def run_scaling(manager: Any, code: str, nps: Sequence[int],
     """Run ``code`` on pools of each size in ``nps`` (restarting the pool as needed) with
     telemetry on; returns the measured points. Needs ``hvd_magic.report(samples=n)`` in the
     cell. The 1-rank throughput becomes the baseline of later cells with the same code."""
-    from . import sink as S
+    from .session import session
+    from .text import TelemetryTextSink
     points: List[ScalePoint] = []
     for n in nps:
         pool = manager.ensure(n, None, None, None)
-        snk = S.TelemetryTextSink(ranks=list(range(n)), stream_output=False)
+        snk = TelemetryTextSink(ranks=list(range(n)), stream_output=False)
         snk.status = lambda _t: None            # type: ignore[method-assign]
         t0 = time.time()
         pool.run_cell(code, snk)
@@ -109,7 +110,7 @@ def run_scaling(manager: Any, code: str, nps: Sequence[int],
             progress(f"hvd scale: {n} rank(s): {fmt_rate(cell.total_rate())} samples/s")
     rows = scale_rows(points)
     if rows and rows[0]["np"] == 1 and rows[0]["total"]:
-        S.BASELINES[S.workload_key(code)] = rows[0]["total"]
+        session().set_baseline(rows[0]["total"], code)
     return points
 
 
@@ -120,6 +121,6 @@ def show_scaling(points: Sequence[ScalePoint]) -> None:
     if widgets_available():
         from IPython.display import display
         from jupyter_bokeh import BokehModel
-        from .sink import _load_bokeh
+        from .panel import _load_bokeh
         _load_bokeh()
         display(BokehModel(plot_scaling(points)))
