@@ -88,19 +88,19 @@ def test_ctrl_c_during_an_inline_cycle_is_held_until_the_cycle_ends():
     must not leave it half done. It is held back and raised as soon as the cycle ends."""
     import signal
 
-    from hvd_magic.collectives import engine
+    from hvd_magic.collectives import interrupts
 
     old = signal.getsignal(signal.SIGINT)
     try:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        held = engine._defer_sigint()
+        held = interrupts.defer_sigint()
         assert held is signal.default_int_handler
         signal.raise_signal(signal.SIGINT)            # no KeyboardInterrupt here
-        assert signal.getsignal(signal.SIGINT) is engine._hold
+        assert signal.getsignal(signal.SIGINT) is interrupts.hold
         with pytest.raises(KeyboardInterrupt):
-            engine._restore_sigint(held)               # raised now
+            interrupts.restore_sigint(held)               # raised now
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-        engine._restore_sigint(engine._defer_sigint())  # none came in: nothing raised
-        assert not engine._HELD
+        interrupts.restore_sigint(interrupts.defer_sigint())  # none came in: nothing raised
+        assert not interrupts.HELD
     finally:
         signal.signal(signal.SIGINT, old)

@@ -17,22 +17,22 @@ from __future__ import annotations
 
 import marshal
 import os
-import _signal  # the C functions: signal.signal's enum wrapping costs ~3 us a call
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import numpy as np
 from mpi4py import MPI
 from _thread import allocate_lock as _allocate_lock
-from _thread import get_ident as _get_ident
 from collections import deque
 
+from .config import Config
 from .errors import HvdError, JoinedRankError, ShutdownError, StallError, TensorMismatchError
-from .plan import _tuple_new, Ann, AnnCodec, Bucket, CycleCache, Negotiator, RankMsg, Response, StallInfo, plan_fusion
 from .handles import Handle, LocalReq
+from .interrupts import defer_sigint, restore_sigint
+from .plan import _tuple_new, Ann, AnnCodec, Bucket, CycleCache, Negotiator, RankMsg, Response, plan_fusion
+from .stall import StallCheck
 from .timeline import CYCLE, NEGOTIATE, QUEUE, Timeline, TimelineWriter, now_us
 
 SLOT = 2048            # bytes per rank in the first negotiation round (more: a second round)
@@ -49,51 +49,6 @@ MAX_POLL_S = 1e-3      # longest sleep between polls while waiting for other ran
 
 _ERRORS = {"mismatch": TensorMismatchError, "stall": StallError,
            "joined": JoinedRankError, "shutdown": ShutdownError}
-
-
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
-
-
-@dataclass
-class Config:
-    """Runtime settings, from Horovod's environment variables."""
-
-    cycle_time_s: float = 0.0
-    fusion_threshold: int = 64 * 1024 * 1024
-    allreduce_chunk: int = 1024 * 1024    # bytes per MPI call for big allreduces; 0: one call
-    cache_capacity: int = 1024            # announcements remembered per rank; 0: no caching
-    stall_check_s: float = 60.0          # 0 disables the warning
-    stall_shutdown_s: float = 0.0        # 0: never fail stalled requests
-    cpu_operations: str = "mpi"
-    timeline: str = ""
-    timeline_mark_cycles: bool = False
-
-    @classmethod
-    def from_env(cls) -> "Config":
-        cpu_ops = os.environ.get("HOROVOD_CPU_OPERATIONS", "mpi").strip().lower() or "mpi"
-        if cpu_ops not in ("mpi", "gloo"):
-            raise ValueError(f"HOROVOD_CPU_OPERATIONS={cpu_ops!r}: use 'mpi' or 'gloo'")
-        stall = _env_float("HOROVOD_STALL_CHECK_TIME_SECONDS", 60.0)
-        if os.environ.get("HOROVOD_STALL_CHECK_DISABLE", "") not in ("", "0"):
-            stall = 0.0
-        return cls(
-            cycle_time_s=_env_float("HOROVOD_CYCLE_TIME", 0.0) / 1000.0,
-            fusion_threshold=int(_env_float("HOROVOD_FUSION_THRESHOLD", 64 * 1024 * 1024)),
-            allreduce_chunk=max(0, int(_env_float("HVD_MAGIC_ALLREDUCE_CHUNK_MB", 1.0) * 2**20)),
-            cache_capacity=max(0, int(_env_float("HOROVOD_CACHE_CAPACITY", 1024))),
-            stall_check_s=stall,
-            stall_shutdown_s=_env_float("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0.0),
-            cpu_operations=cpu_ops,
-            timeline=os.environ.get("HOROVOD_TIMELINE", ""),
-            timeline_mark_cycles=os.environ.get("HOROVOD_TIMELINE_MARK_CYCLES", "") not in ("", "0"),
-        )
 
 
 class Engine:
@@ -148,10 +103,9 @@ class Engine:
         self._recv_mv = memoryview(self._recv.reshape(-1))
         self._recv_lens = self._recv[:, :8].view("<u8")     # each rank's message length
         self._sent_data = b""        # what the send buffer holds now (written again if not)
-        self._heartbeat = self._heartbeat_s()
+        self.stall = StallCheck(config.stall_check_s, config.stall_shutdown_s, self.rank)
         self._next_tick = 0.0
         self._empty_streak = 0
-        self._last_warn = 0.0
         self._in_cycle_since = 0.0
         self.cycles = 0
         self._torch_backend = None
@@ -294,7 +248,7 @@ class Engine:
     def _await_reason(self) -> bool:
         """Block until there is a reason to negotiate. True: news to send (or a posted
         exchange to finish); False: a poll or heartbeat cycle is due."""
-        heartbeat = self._heartbeat
+        heartbeat = self.stall.heartbeat_s
         waited_from = time.monotonic()
         while not self._has_news():
             now = time.monotonic()
@@ -349,12 +303,6 @@ class Engine:
         return _tuple_new(RankMsg, (self.codec.encode(anns), cancels, join, shut,
                                     self.tl.take(), tuple(payloads)))
 
-    def _heartbeat_s(self) -> Optional[float]:
-        if self.cfg.stall_check_s <= 0 and self.cfg.stall_shutdown_s <= 0:
-            return None
-        base = min(x for x in (self.cfg.stall_check_s, self.cfg.stall_shutdown_s) if x > 0)
-        return max(0.25, min(15.0, base / 4))
-
     def _loop(self) -> None:
         lock = self._cycle_lock
         while True:
@@ -380,7 +328,7 @@ class Engine:
         A cycle that is not complete after ``INLINE_SPIN_S`` (other ranks not there yet) is
         left posted for the engine thread to finish. SIGINT is held back while the cycle runs
         (only the main thread gets it) so that an interrupt never leaves a cycle half done."""
-        deferred = _defer_sigint()
+        deferred = defer_sigint()
         try:
             if self._ended or self._inline_exc is not None or not self.inline:
                 return
@@ -402,7 +350,7 @@ class Engine:
             self._cycle_lock.release()
             if self._inline_exc is not None:
                 self._ring()
-            _restore_sigint(deferred)
+            restore_sigint(deferred)
 
     def _after_exchange(self, msgs: Optional[list], key: Optional[tuple] = None,
                         hit: Optional[tuple] = None) -> bool:
@@ -660,90 +608,35 @@ class Engine:
 
     # ------------------------------------------------------------------ stall check
     def _stall_tick(self, now: float) -> None:
-        check, kill = self.cfg.stall_check_s, self.cfg.stall_shutdown_s
-        if check <= 0 and kill <= 0:
+        """Run the stall check (:class:`~.stall.StallCheck`) on this rank's tables."""
+        sc = self.stall
+        if sc.heartbeat_s is None:
             return
-        stuck_in_cycle = self._in_cycle_since and now - self._in_cycle_since > min(
-            x for x in (check, kill) if x > 0)
-        if check > 0 and now - self._last_warn >= check and (self.rank == 0 or stuck_in_cycle):
+        since = self._in_cycle_since
+        stuck = sc.stuck(now, since)
+        if sc.warn_due(now, stuck):
             with self._table_lock:
-                infos = self.neg.stalled(now, check)
-            lines = [i.describe(now) for i in infos]
-            if stuck_in_cycle:
-                with self._mu:
-                    lines += [f"{r.ann.kind} of tensor '{r.ann.name}' has waited {now - r.t_submit:.1f} s "
-                              f"on rank {self.rank}; other ranks have not negotiated for "
-                              f"{now - self._in_cycle_since:.1f} s"
-                              for r in self._inflight.values() if now - r.t_submit >= check]
-            if lines:
-                self._last_warn = now
-                sys.stderr.write(
-                    f"[hvd_magic rank {self.rank}] WARNING: stall: one or more tensors were submitted "
-                    f"by some ranks and have waited more than {check:g} s for the others. Ranks that "
-                    "submit different tensors, or only some ranks submitting, cause this.\n  "
-                    + "\n  ".join(lines) + "\n")
-                sys.stderr.flush()
-        if kill > 0:
+                infos = self.neg.stalled(now, sc.check)
+            with self._mu:
+                mine = list(self._inflight.values()) if stuck else []
+            sc.warn(now, infos, mine, since)
+        if sc.kill > 0:
             with self._table_lock:
                 infos = {i.name: i for i in self.neg.stalled(now, 0.0)}
-            failed_locally = []
             with self._mu:
-                for r in list(self._inflight.values()):
-                    name = r.ann.name
-                    if name in self._cancelled or now - r.t_submit < kill:
-                        continue
-                    info = infos.get(name)
-                    if info is not None and self.rank in info.ready_ranks:
-                        self._cancelled.add(name)
-                        self._cancels.append((name, _stall_message(info, now, kill)))
-                    elif stuck_in_cycle and now - self._in_cycle_since > kill:
-                        self._inflight.pop(name)
-                        failed_locally.append(r)
-            for r in failed_locally:
-                r.handle._set(error=StallError(
-                    f"{r.ann.kind} of tensor '{r.ann.name}' was submitted on rank {self.rank} but the "
-                    f"other ranks have not taken part in negotiation for {now - self._in_cycle_since:.1f} s "
-                    f"(HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={kill:g}); check that every rank runs the "
-                    "same collectives"))
+                cancels, local = sc.to_fail(now, infos, list(self._inflight.values()),
+                                            self._cancelled, stuck, since)
+                for name, msg in cancels:
+                    self._cancelled.add(name)
+                    self._cancels.append((name, msg))
+                for r in local:
+                    self._inflight.pop(r.ann.name)
+            for r in local:
+                r.handle._set(error=sc.local_error(r, now, since))
 
 
 class _Stop(Exception):
     """An inline cycle carried out the agreed shutdown: the engine thread ends."""
-
-
-_MAIN = threading.main_thread().ident
-_SIGINT = int(_signal.SIGINT)
-
-
-_HELD: list = []      # SIGINTs that came in while held back (only the main thread holds them)
-
-
-def _hold(signum: int, frame: Any) -> None:
-    _HELD.append((signum, frame))
-
-
-def _defer_sigint() -> Optional[Callable]:
-    """In the main thread, hold back SIGINT's Python handler; see :func:`_restore_sigint`.
-    (One module-level holder, not a closure per call: the main thread runs one inline
-    cycle at a time, under the cycle lock.)"""
-    if _get_ident() != _MAIN:
-        return None
-    old = _signal.getsignal(_SIGINT)
-    if not callable(old) or old is _hold:
-        return None
-    _signal.signal(_SIGINT, _hold)
-    return old
-
-
-def _restore_sigint(old: Optional[Callable]) -> None:
-    """Put SIGINT's handler back and run it now for a signal that came in meanwhile."""
-    if old is None:
-        return
-    _signal.signal(_SIGINT, old)
-    if _HELD:
-        signum, frame = _HELD[0]
-        _HELD.clear()
-        old(signum, frame)
 
 
 def _tight_timer_slack() -> None:
@@ -755,8 +648,3 @@ def _tight_timer_slack() -> None:
             ctypes.CDLL(None, use_errno=True).prctl(29, 1000, 0, 0, 0)  # PR_SET_TIMERSLACK, 1 us
         except Exception:  # noqa: BLE001 - an optimisation only
             pass
-
-
-def _stall_message(info: StallInfo, now: float, limit: float) -> str:
-    return (f"{info.describe(now)}; gave up after HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={limit:g}. "
-            "Make every rank submit the same tensors (same names, same order of collectives).")

@@ -71,7 +71,8 @@ def init(comm: Optional[Any] = None) -> None:
         else:
             raise TypeError(f"init(comm=...) takes an mpi4py communicator or a list of ranks, "
                             f"not {type(comm).__name__}")
-        from .engine import Config, Engine
+        from .config import Config
+        from .engine import Engine
         from .timeline import Timeline, TimelineWriter
 
         cfg = Config.from_env()

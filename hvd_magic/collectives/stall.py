@@ -1,0 +1,79 @@
+"""The stall check (``HOROVOD_STALL_CHECK_TIME_SECONDS``, ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``).
+
+A request is stalled when some ranks submitted it and others have not after the check time:
+rank 0 warns, naming the tensors and the missing ranks; after the shutdown time (when > 0)
+the ranks that submitted it cancel it on every rank. A rank whose negotiation itself has not
+completed for that long (the other ranks stopped negotiating) warns about, and then fails,
+its own requests. :class:`StallCheck` decides; the engine reads its tables under its locks
+and carries out what it returns.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Iterable, Optional
+
+from .errors import StallError
+from .plan import StallInfo
+
+
+class StallCheck:
+    def __init__(self, check_s: float, shutdown_s: float, rank: int) -> None:
+        self.check, self.kill, self.rank = check_s, shutdown_s, rank
+        self.last_warn = 0.0
+        limits = [x for x in (check_s, shutdown_s) if x > 0]
+        self.first = min(limits) if limits else 0.0
+        # how often an idle engine thread wakes up to check (None: never)
+        self.heartbeat_s: Optional[float] = max(0.25, min(15.0, self.first / 4)) if limits else None
+
+    def stuck(self, now: float, in_cycle_since: float) -> bool:
+        """This rank's negotiation has waited longer than a limit for the other ranks."""
+        return bool(in_cycle_since) and now - in_cycle_since > self.first
+
+    def warn_due(self, now: float, stuck: bool) -> bool:
+        return self.check > 0 and now - self.last_warn >= self.check and (self.rank == 0 or stuck)
+
+    def warn(self, now: float, infos: list, mine: Iterable, in_cycle_since: float) -> None:
+        """Write one warning for the stalled requests ``infos`` and, while this rank is
+        stuck, for this rank's own requests ``mine`` that waited the check time."""
+        lines = [i.describe(now) for i in infos]
+        lines += [f"{r.ann.kind} of tensor '{r.ann.name}' has waited {now - r.t_submit:.1f} s "
+                  f"on rank {self.rank}; other ranks have not negotiated for "
+                  f"{now - in_cycle_since:.1f} s" for r in mine if now - r.t_submit >= self.check]
+        if not lines:
+            return
+        self.last_warn = now
+        sys.stderr.write(
+            f"[hvd_magic rank {self.rank}] WARNING: stall: one or more tensors were submitted "
+            f"by some ranks and have waited more than {self.check:g} s for the others. Ranks that "
+            "submit different tensors, or only some ranks submitting, cause this.\n  "
+            + "\n  ".join(lines) + "\n")
+        sys.stderr.flush()
+
+    def to_fail(self, now: float, infos: dict, mine: Iterable, cancelled: set, stuck: bool,
+                in_cycle_since: float) -> tuple:
+        """``(cancels, local)`` after the shutdown time: ``(name, message)`` for this rank to
+        announce (it submitted a request the others have not), and this rank's requests to
+        fail here (the other ranks stopped negotiating). ``infos``: name -> StallInfo."""
+        cancels, local = [], []
+        for r in mine:
+            name = r.ann.name
+            if name in cancelled or now - r.t_submit < self.kill:
+                continue
+            info = infos.get(name)
+            if info is not None and self.rank in info.ready_ranks:
+                cancels.append((name, stall_message(info, now, self.kill)))
+            elif stuck and now - in_cycle_since > self.kill:
+                local.append(r)
+        return cancels, local
+
+    def local_error(self, r, now: float, in_cycle_since: float) -> StallError:
+        return StallError(
+            f"{r.ann.kind} of tensor '{r.ann.name}' was submitted on rank {self.rank} but the "
+            f"other ranks have not taken part in negotiation for {now - in_cycle_since:.1f} s "
+            f"(HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={self.kill:g}); check that every rank runs the "
+            "same collectives")
+
+
+def stall_message(info: StallInfo, now: float, limit: float) -> str:
+    return (f"{info.describe(now)}; gave up after HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={limit:g}. "
+            "Make every rank submit the same tensors (same names, same order of collectives).")
