@@ -138,3 +138,22 @@ def test_impossible_requests_start_nothing(kernel):
     assert content["ename"] == "UsageError", content
     assert content["evalue"] == "rank(s) [5] do not exist in a pool of 2 ranks (0..1)"
     assert "Traceback" not in out and "args.py" not in out and "magics.py" not in out
+
+
+def test_live_cells_keep_a_bounded_number_of_widgets(kernel):
+    """Each live cell makes a panel (about 50 widgets and a bokeh document, 0.4 MB of the
+    kernel); only the last 10 stay open, so after 10 cells the count of open widgets stays
+    put. The kernel's memory over 1,000 cells: benchmarks/kernel_memory.py."""
+    assert kernel.run("%%hvd -np 2 --no-stream\nimport numpy as np\n"
+                      "import hvd_magic.collectives as hvd")[0]["status"] == "ok"
+    cell = "%%hvd\nx = hvd.allreduce(np.ones(4)); print('step', x[0])"
+    count = ("import gc, ipywidgets\ngc.collect()\nprint('OPEN', sum(1 for o in gc.get_objects()"
+             " if isinstance(o, ipywidgets.Widget) and o.comm is not None))")
+
+    def cells(n):
+        for _ in range(n):
+            assert kernel.run(cell)[0]["status"] == "ok"
+        return int(kernel.run(count)[1].split("OPEN")[1])
+
+    seen = [cells(12), cells(6), cells(6), cells(6)]
+    assert seen[-1] == seen[-2] == seen[-3] and seen[-1] < 10 * 80, seen

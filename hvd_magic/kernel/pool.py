@@ -30,6 +30,8 @@ IPP_HINT = ("the pool needs ipyparallel: `pip install ipyparallel` "
             "(or `pip install hvd_magic[notebook]`)")
 
 START_TIMEOUT = float(os.environ.get("HVD_MAGIC_START_TIMEOUT", "60"))
+#: Message signatures the pool's client remembers (jupyter_client's default is 65,536).
+DIGEST_HISTORY = 4096
 #: Seconds to wait for the ranks to switch their telemetry on or off.
 SWITCH_TIMEOUT = 30.0
 
@@ -154,6 +156,9 @@ class Pool:
             self.mpiexec = spawn(plan.engine_argv, plan.engine_env,
                                  os.path.join(workdir, "mpiexec.log"))
             self.client = ipp.Client(plan.client_file, timeout=START_TIMEOUT)
+            # The client's session remembers the signature of every message it received
+            # (replay protection) up to 65,536 of them, ~10 a live cell: bound it lower.
+            self.client.session.digest_history_size = DIGEST_HISTORY
             self._wait_for_engines(sink, t0)
         except BaseException as exc:
             why = self._start_failure(exc)

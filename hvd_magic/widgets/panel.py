@@ -209,7 +209,7 @@ class WidgetSink:
         self.saved_w = W.HTML("")
         self.plot = None
         self.source = None
-        self.plot_w: Any = W.HTML("")
+        self.plot_w: Any = None         # the bokeh timeline, made by _make_plot
         try:
             self._make_plot()
         except Exception as exc:  # noqa: BLE001 - panel still works without a plot
