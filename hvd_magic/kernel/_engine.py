@@ -37,7 +37,8 @@ def gpu_for_local_rank(env: Mapping[str, str], gpu_count: int) -> Optional[str]:
     ``CUDA_VISIBLE_DEVICES`` list, else device ``local_rank % gpu_count``. Nothing changes
     without GPUs, without a local rank, or with ``HVD_MAGIC_PIN_GPU=0``.
     """
-    if env.get("HVD_MAGIC_PIN_GPU", "1").strip().lower() in ("0", "false", "no", "off"):
+    from .. import config
+    if not config.get("HVD_MAGIC_PIN_GPU", env):
         return None
     local = local_rank_from_env(env)
     if local is None:

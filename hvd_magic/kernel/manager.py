@@ -7,6 +7,7 @@ import secrets
 import socket
 from typing import Callable, Dict, List, Optional, Tuple
 
+from .. import config
 from ..runner.plan import Host
 from .output import OutputSink
 from .plan import NO_NAMESPACE, PoolConfig, plan_pool
@@ -42,8 +43,7 @@ def make_config(np: int, hosts: Optional[List[Host]] = None, hostfile: Optional[
             raise ValueError(f"--hostfile {hostfile}: cannot read it ({exc.strerror})") from None
         hosts = hosts or listed
     single = not hosts or all(h.name in names for h in hosts)
-    oversub_env = environ.get("HVD_MAGIC_OVERSUBSCRIBE", "").strip().lower()
-    oversub = True if oversubscribe or oversub_env in ("1", "true", "yes", "on") else None
+    oversub = True if oversubscribe or config.get("HVD_MAGIC_OVERSUBSCRIBE", environ) else None
     controller_ip, ports = "127.0.0.1", []
     if not single:
         remote = next(h.name for h in hosts or [] if h.name not in names)
@@ -80,8 +80,10 @@ class PoolManager:
             return self.pool.size
         if self.last is not None:
             return self.last[0]
-        value = os.environ.get("HVD_MAGIC_NP", "2")
-        return int(value) if value.isdigit() and int(value) > 0 else 2
+        value = config.get("HVD_MAGIC_NP")
+        if value < 1:
+            raise ValueError(f"HVD_MAGIC_NP={value}: a pool needs at least 1 rank")
+        return value
 
     def ensure(self, np: Optional[int], hosts: Optional[List[Host]], hostfile: Optional[str],
                sink: Optional[OutputSink], oversubscribe: bool = False) -> Pool:

@@ -20,6 +20,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
+from .. import config
 from .output import OutputSink, PoolCellError, PoolCellInterrupted, PoolCellTimeout, \
     RankDiedError, RankFailure, ranks_text
 from .plan import HEARTBEAT_MISSES, PoolConfig, PoolPlan, plan_pool
@@ -29,7 +30,7 @@ from .procs import descendants, describe_exit, parse_rank_exits, spawn, stop_tre
 IPP_HINT = ("the pool needs ipyparallel: `pip install ipyparallel` "
             "(or `pip install hvd_magic[notebook]`)")
 
-START_TIMEOUT = float(os.environ.get("HVD_MAGIC_START_TIMEOUT", "60"))
+START_TIMEOUT = config.get("HVD_MAGIC_START_TIMEOUT")
 #: Message signatures the pool's client remembers (jupyter_client's default is 65,536).
 DIGEST_HISTORY = 4096
 #: Seconds to wait for the ranks to switch their telemetry on or off.

@@ -15,17 +15,18 @@ collective in flight in this batch), ``pending`` (``hvd.pending()``).
 """
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
 from collections import deque
 from typing import Any, Optional
 
-MAX_SPANS = int(os.environ.get("HVD_MAGIC_TELEMETRY_MAX_SPANS", "200"))   # per batch; 0: all
-INTERVAL = float(os.environ.get("HVD_MAGIC_TELEMETRY_INTERVAL", "0.25"))
-
+from .. import config
 from ..collectives.progress import progress, reset_progress
+
+MAX_SPANS = config.get("HVD_MAGIC_TELEMETRY_MAX_SPANS")   # per batch; 0: all
+INTERVAL = config.get("HVD_MAGIC_TELEMETRY_INTERVAL")
+
 
 class _Telemetry:
     def __init__(self, interval: float = INTERVAL) -> None:

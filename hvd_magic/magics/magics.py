@@ -2,7 +2,6 @@
 call the pool (:class:`hvd_magic.kernel.PoolManager`), render (an ``OutputSink``)."""
 from __future__ import annotations
 
-import os
 from typing import Any, Callable, Dict, List, Optional
 
 from IPython.core.error import UsageError
@@ -248,6 +247,7 @@ _MANAGER: Any = None
 
 def autohvd_from_env(magics: HvdMagics) -> None:
     """Turn %autohvd on when ``HVD_MAGIC_AUTOHVD`` is set (the hvd_magic Jupyter kernel)."""
-    value = os.environ.get("HVD_MAGIC_AUTOHVD", "")
+    from .. import config
+    value = config.get("HVD_MAGIC_AUTOHVD")
     if value and value.lower() not in ("0", "off", "false", "no"):
         magics.autohvd("" if value.lower() in ("1", "on", "true", "yes") else value)

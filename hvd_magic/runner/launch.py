@@ -89,7 +89,8 @@ def netns_available() -> bool:
 
 def netns_wanted(env: Mapping[str, str]) -> bool:
     """``HVD_MAGIC_NETNS`` unset or not ``0``/``false``/``no``/``off``."""
-    return env.get("HVD_MAGIC_NETNS", "1").strip().lower() not in ("0", "false", "no", "off")
+    from .. import config
+    return config.get("HVD_MAGIC_NETNS", env)
 
 
 def local_names() -> FrozenSet[str]:

@@ -12,6 +12,8 @@ import sys
 import traceback
 from typing import Any, Tuple
 
+from .. import config
+
 
 def _write(directory: str, rank: int, record: Tuple[Any, ...]) -> None:
     import cloudpickle
@@ -48,7 +50,7 @@ def main(directory: str) -> int:
         sys.stderr.flush()
         MPI.COMM_WORLD.Abort(1)
         return 1
-    extra = [p for p in os.environ.get("HVD_MAGIC_SYS_PATH", "").split(os.pathsep)
+    extra = [p for p in config.get("HVD_MAGIC_SYS_PATH").split(os.pathsep)
              if p and p not in sys.path]
     sys.path[1:1] = extra
     try:

@@ -29,7 +29,6 @@ every rank whose model has the same parameters.
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Optional, Sequence
 
 import torch
@@ -39,8 +38,8 @@ DEFAULT_BUCKET_BYTES = (1 << 20, 4 << 20)
 
 def bucket_caps(env: Optional[str] = None) -> tuple:
     """(first bucket bytes, other buckets bytes) from ``HVD_MAGIC_BUCKET_BYTES``; (0, 0) = off."""
-    raw = os.environ.get("HVD_MAGIC_BUCKET_BYTES", "") if env is None else env
-    raw = raw.strip()
+    from .. import config
+    raw = (config.get("HVD_MAGIC_BUCKET_BYTES") if env is None else env).strip()
     if not raw:
         return DEFAULT_BUCKET_BYTES
     try:
@@ -58,7 +57,8 @@ def bucket_caps(env: Optional[str] = None) -> tuple:
 
 
 def grad_views_enabled() -> bool:
-    return os.environ.get("HVD_MAGIC_GRAD_VIEWS", "1").strip().lower() not in ("0", "false", "no", "off")
+    from .. import config
+    return config.get("HVD_MAGIC_GRAD_VIEWS")
 
 
 class Bucket:

@@ -9,6 +9,7 @@ import threading
 import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
+from .. import config
 from ..kernel.output import PoolCellError
 from .model import (GROUP_COLOR, STATUS_TEXT, CellState, badge_html, banner_html, metrics_html,
                     phase_group, snapshot_html)
@@ -49,7 +50,7 @@ def _load_bokeh() -> None:
 
 def _drop_bokeh_loader() -> None:
     did, session().bokeh_loader = session().bokeh_loader, None
-    if did and os.environ.get("HVD_MAGIC_KEEP_BOKEHJS", "") in ("", "0"):
+    if did and not config.get("HVD_MAGIC_KEEP_BOKEHJS"):
         from IPython.display import update_display
         update_display({"text/plain": ""}, raw=True, display_id=did)
 
@@ -57,10 +58,10 @@ def _drop_bokeh_loader() -> None:
 def kernel_nice() -> int:
     """``HVD_MAGIC_KERNEL_NICE`` (default 0: the kernel's priority is left alone; it cannot
     be raised again without CAP_SYS_NICE, so lowering it is the user's choice)."""
-    try:
-        return max(0, min(19, int(os.environ.get("HVD_MAGIC_KERNEL_NICE", "0"))))
-    except ValueError:
-        return 0
+    value = config.get("HVD_MAGIC_KERNEL_NICE")
+    if not 0 <= value <= 19:
+        raise ValueError(f"HVD_MAGIC_KERNEL_NICE={value}: use a nice value from 0 to 19")
+    return value
 
 
 def lower_autogroup_priority(nice: int, path: str = "/proc/self/autogroup") -> Optional[int]:
@@ -108,8 +109,10 @@ class _Renderer:
         self.thread: Optional[threading.Thread] = None
         self.niced = False
         self.group_nice: Optional[int] = None   # the kernel's autogroup nice, once lowered
+        self.nice = 0                           # HVD_MAGIC_KERNEL_NICE, read by add()
 
     def add(self, sink: Any) -> None:
+        self.nice = kernel_nice()          # a bad value fails here, not in the thread
         with self.mu:
             if sink not in self.sinks:
                 self.sinks.append(sink)
@@ -129,7 +132,7 @@ class _Renderer:
             self.niced = True
         except (AttributeError, OSError):   # not Linux: the thread keeps the normal priority
             pass
-        nice = kernel_nice()
+        nice = self.nice
         # Only a session leader (a Jupyter kernel: jupyter_client starts each in a session
         # of its own) owns its autogroup; otherwise the group is the user's shell or server.
         if nice > 0 and hasattr(os, "getsid") and os.getsid(0) == os.getpid():
@@ -172,7 +175,7 @@ class WidgetSink:
     live = True
     #: drain and redraw on :data:`RENDERER`'s low-priority thread (``HVD_MAGIC_RENDER_THREAD=0``:
     #: on the kernel's main thread, from the pool's wait loop)
-    feed_in_background = os.environ.get("HVD_MAGIC_RENDER_THREAD", "1") != "0"
+    feed_in_background = config.get("HVD_MAGIC_RENDER_THREAD")
 
     def __init__(self, ranks: Optional[Sequence[int]] = None, max_lines: int = 200,
                  refresh: float = 0.45, rollover: int = 3000) -> None:

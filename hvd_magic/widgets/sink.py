@@ -8,10 +8,10 @@
 """
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any, Optional, Sequence
 
+from .. import config
 from ..kernel.output import TextSink
 from .session import session
 from .text import TelemetryTextSink
@@ -22,7 +22,7 @@ WIDGETS_HINT = ("hvd: live widgets need ipywidgets, bokeh and jupyter_bokeh: "
 
 def widgets_available() -> bool:
     """True in a Jupyter kernel (comms) with ipywidgets, bokeh and jupyter_bokeh importable."""
-    if os.environ.get("HVD_MAGIC_WIDGETS", "1").lower() in ("0", "off", "false", "no"):
+    if not config.get("HVD_MAGIC_WIDGETS"):
         return False
     try:
         from IPython import get_ipython

@@ -13,12 +13,11 @@ from .session import session
 def telemetry_interval() -> float:
     """Seconds between telemetry batches: ``HVD_MAGIC_TELEMETRY_INTERVAL`` (default 0.25),
     read when a sink is made."""
-    import os
-    try:
-        value = float(os.environ.get("HVD_MAGIC_TELEMETRY_INTERVAL", "0.25"))
-    except ValueError:
-        value = 0.25
-    return value if value > 0 else 0.25
+    from .. import config
+    value = config.get("HVD_MAGIC_TELEMETRY_INTERVAL")
+    if value <= 0:
+        raise ValueError(f"HVD_MAGIC_TELEMETRY_INTERVAL={value:g}: use seconds > 0, e.g. 0.25")
+    return value
 
 
 class TelemetryTextSink(TextSink):

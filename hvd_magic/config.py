@@ -1,0 +1,162 @@
+"""Every environment variable hvd_magic reads, declared once: name, type, default, meaning.
+
+Horovod's names (``HOROVOD_*``) keep Horovod's meaning and defaults; hvd_magic's own start
+with ``HVD_MAGIC_``. Read them with :func:`get`, which turns the text into the declared type
+and raises ValueError naming the variable and the accepted values. docs/environment.md is
+:func:`markdown_table`, and a test checks that the code reads no variable this table lacks.
+Standard library only: every layer may import it.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Tuple
+
+TRUE = ("1", "true", "yes", "on")
+FALSE = ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class Var:
+    name: str
+    kind: str                 # "int", "float", "bool", "str" or "choice"
+    default: Any              # what an unset or empty variable means (None: unset)
+    meaning: str
+    choices: Tuple[str, ...] = ()
+    internal: bool = False    # set by hvd_magic itself for the processes it starts
+
+
+_VARS = [
+    # -- Horovod's, read by each rank's runtime
+    Var("HOROVOD_FUSION_THRESHOLD", "int", 64 * 1024 * 1024,
+        "fusion buffer bytes: ready allreduces of one dtype and op are reduced together up "
+        "to this size; 0 disables fusion"),
+    Var("HOROVOD_CYCLE_TIME", "float", 0.0,
+        "ms that asynchronous requests may gather before a negotiation; a call that waits "
+        "never waits for it"),
+    Var("HOROVOD_CACHE_CAPACITY", "int", 1024,
+        "requests each rank remembers, so that one announced before travels as an index and "
+        "a cycle that recurs byte for byte reuses its decisions; 0 turns both off; rank 0's "
+        "value holds"),
+    Var("HOROVOD_STALL_CHECK_TIME_SECONDS", "float", 60.0,
+        "rank 0 warns when some ranks submitted a tensor and others have not for this long"),
+    Var("HOROVOD_STALL_CHECK_DISABLE", "bool", False, "1 turns the stall warning off"),
+    Var("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "float", 0.0,
+        "stalled requests fail on every rank with StallError after this long (0: never)"),
+    Var("HOROVOD_TIMELINE", "str", "", "Chrome-trace timeline file written by rank 0"),
+    Var("HOROVOD_TIMELINE_MARK_CYCLES", "bool", False,
+        "1 marks every negotiation cycle in the timeline"),
+    Var("HOROVOD_CPU_OPERATIONS", "choice", "mpi",
+        "how CPU tensors are reduced: MPI (mpi4py), or torch.distributed with gloo (the "
+        "code path CUDA tensors take with NCCL)", choices=("mpi", "gloo")),
+    # -- hvd_magic's runtime
+    Var("HVD_MAGIC_ALLREDUCE_CHUNK_MB", "float", 1.0,
+        "on one host, an allreduce bigger than this runs as MPI calls of this size; 0: one "
+        "call per buffer; rank 0's value holds"),
+    Var("HVD_MAGIC_EAGER", "bool", False,
+        "1 sends allreduces up to 4 KiB inside the negotiation message"),
+    Var("HVD_MAGIC_INLINE", "bool", True,
+        "0: a waiting caller never runs the negotiation cycle itself; the background thread "
+        "does all communication"),
+    Var("HVD_MAGIC_MALLOC_TUNE", "bool", False,
+        "1: hvd.init() raises glibc's mmap and trim thresholds (freed blocks are reused "
+        "instead of mapped afresh); left alone by default and when MALLOC_* is set"),
+    Var("HVD_MAGIC_SWITCH_INTERVAL_MS", "float", None,
+        "set the interpreter's GIL switch interval (ms) at hvd.init(); unset leaves "
+        "Python's 5 ms"),
+    Var("HVD_MAGIC_SHUTDOWN_TIMEOUT", "float", 30.0,
+        "seconds hvd.shutdown() waits for the other ranks"),
+    Var("HVD_MAGIC_EXIT_TIMEOUT", "float", 10.0,
+        "seconds the shutdown at interpreter exit waits for the other ranks"),
+    Var("HVD_MAGIC_RENDEZVOUS_ADDR", "str", "",
+        "address at which torch.distributed's ranks meet (rank 0's); default: the address "
+        "of GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME, else rank 0's host name"),
+    Var("HVD_MAGIC_TORCH_INIT_TIMEOUT", "float", 120.0,
+        "seconds torch.distributed's process group may take to form"),
+    # -- the PyTorch face
+    Var("HVD_MAGIC_BUCKET_BYTES", "str", "1048576,4194304",
+        "DistributedOptimizer gradient buckets: the first, then later bucket caps in bytes; "
+        "0: one request per parameter"),
+    Var("HVD_MAGIC_GRAD_VIEWS", "bool", True,
+        "0: copy reduced gradients back instead of making p.grad a view into the bucket"),
+    # -- launching: hvdrun, hvd_magic.run, the pool
+    Var("HVD_MAGIC_NETNS", "bool", True,
+        "0: single-host jobs and pools stay in the normal network namespace (otherwise "
+        "mpiexec and the ranks run in a private loopback-only one when it can be made)"),
+    Var("HVD_MAGIC_OVERSUBSCRIBE", "bool", False,
+        "1: a pool may have more ranks than its hosts' slots, or than 4 per core on this "
+        "machine (as --oversubscribe)"),
+    Var("HVD_MAGIC_PIN_GPU", "bool", True,
+        "0: a pool's ranks do not set CUDA_VISIBLE_DEVICES to their local rank"),
+    Var("HVD_MAGIC_NP", "int", 2, "ranks of a pool when neither -np nor a running pool says"),
+    Var("HVD_MAGIC_START_TIMEOUT", "float", 60.0,
+        "seconds a pool may take until every rank has registered"),
+    Var("HVD_MAGIC_SYS_PATH", "str", "",
+        "sys.path entries hvd_magic.run gives its ranks", internal=True),
+    Var("HVD_MAGIC_POOL", "bool", False, "set to 1 in a pool's ranks", internal=True),
+    Var("HVD_MAGIC_AUTOHVD", "str", "",
+        "%autohvd options that every cell runs with (the hvd_magic Jupyter kernel sets it)"),
+    # -- the live panel
+    Var("HVD_MAGIC_WIDGETS", "bool", True, "0: text output instead of the live panel"),
+    Var("HVD_MAGIC_TELEMETRY_INTERVAL", "float", 0.25,
+        "seconds between the ranks' telemetry batches while a live cell runs"),
+    Var("HVD_MAGIC_TELEMETRY_MAX_SPANS", "int", 200,
+        "timeline spans per telemetry batch (the newest); 0: all"),
+    Var("HVD_MAGIC_RENDER_THREAD", "bool", True,
+        "0: live panels redraw on the kernel's main thread instead of a background thread"),
+    Var("HVD_MAGIC_KERNEL_NICE", "int", 0,
+        "Linux: when the first live panel starts, raise the kernel's scheduler autogroup "
+        "nice value to this (0-19) so drawing yields to the ranks; lasts for the kernel's "
+        "life (it cannot be lowered again without CAP_SYS_NICE); 0: leave it"),
+    Var("HVD_MAGIC_KEEP_BOKEHJS", "bool", False,
+        "1: keep BokehJS (about 8 MB) in the saved notebook instead of dropping it once "
+        "loaded"),
+]
+
+VARS = {v.name: v for v in _VARS}
+
+
+def _convert(var: Var, raw: str) -> Any:
+    text = raw.strip()
+    if var.kind == "bool":
+        if text.lower() in TRUE:
+            return True
+        if text.lower() in FALSE:
+            return False
+        raise ValueError(f"{var.name}={raw!r}: use 1 or 0 (also true/false, yes/no, on/off)")
+    if var.kind in ("int", "float"):
+        try:
+            return int(text) if var.kind == "int" else float(text)
+        except ValueError:
+            what = "a whole number" if var.kind == "int" else "a number"
+            raise ValueError(f"{var.name}={raw!r}: use {what}, e.g. "
+                             f"{var.name}={var.default if var.default is not None else 1}"
+                             ) from None
+    if var.kind == "choice":
+        if text.lower() not in var.choices:
+            raise ValueError(f"{var.name}={raw!r}: use one of {', '.join(var.choices)}")
+        return text.lower()
+    return raw
+
+
+def get(name: str, environ: Optional[Mapping[str, str]] = None) -> Any:
+    """The value of the declared variable ``name`` in ``environ`` (default ``os.environ``),
+    as its declared type; its default when unset or empty. Raises ValueError for a value of
+    the wrong form, KeyError for a name this module does not declare."""
+    var = VARS[name]
+    raw = (os.environ if environ is None else environ).get(name, "")
+    if raw.strip() == "":
+        return var.default
+    return _convert(var, raw)
+
+
+def markdown_table() -> str:
+    """The table of docs/environment.md."""
+    rows = ["| variable | type | default | meaning |", "|---|---|---|---|"]
+    for v in _VARS:
+        kind = "|".join(v.choices) if v.kind == "choice" else v.kind
+        default = "unset" if v.default in (None, "") else (
+            ("1" if v.default else "0") if v.kind == "bool" else str(v.default))
+        meaning = v.meaning + (" (internal)" if v.internal else "")
+        rows.append(f"| `{v.name}` | {kind} | {default} | {meaning} |")
+    return "\n".join(rows) + "\n"
