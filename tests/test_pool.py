@@ -258,3 +258,20 @@ def test_a_paused_rank_keeps_the_pool_until_the_heartbeat_limit():
     finally:
         m.stop()
     assert not wait_no_pool_processes(3.0)
+
+
+def test_the_one_private_ipyparallel_attribute_the_pool_reads():
+    """Pool reads each rank's future through ``rank_futures`` (ipyparallel's private
+    ``AsyncResult._children``: there is no public per-engine future); pinned here."""
+    from hvd_magic.kernel.pool import rank_futures
+    m = PoolManager()
+    try:
+        pool = m.ensure(2, None, None, None)
+        ar = pool.client[[0, 1]].execute("1", block=False)
+        futs = rank_futures(ar)
+        assert len(futs) == 2 and all(hasattr(f, "iopub_callbacks") for f in futs)
+        ar.wait(10)
+        assert all(f.done() and f.exception() is None for f in futs)
+        assert len(ar.metadata) == 2          # public: one dict per rank
+    finally:
+        m.stop()

@@ -345,7 +345,7 @@ class Pool:
              timeout: Optional[float]) -> CellOutcome:
         ar = self._view(targets).execute(code, silent=False, block=False)
         poke: "queue.SimpleQueue[int]" = queue.SimpleQueue()
-        for fut in ar._children:
+        for fut in rank_futures(ar):
             fut.iopub_callbacks.append(lambda _msg: poke.put(1))
         ar.add_done_callback(lambda _f: poke.put(1))
         for r in targets:
@@ -407,7 +407,7 @@ class Pool:
     @staticmethod
     def _engine_lost(ar: Any) -> bool:
         ipp = _ipp()
-        return any(isinstance(md.get("error"), ipp.error.EngineError) for md in ar._metadata)
+        return any(isinstance(md.get("error"), ipp.error.EngineError) for md in ar.metadata)
 
     def _settle_interrupt(self, ar: Any, pump: "_Pump", targets: List[int],
                           sink: OutputSink, why: str) -> str:
@@ -479,11 +479,11 @@ class Pool:
         failures: List[RankFailure] = []
         died = False
         for i, r in enumerate(targets):
-            md = ar._metadata[i]
+            md = ar.metadata[i]
             err = md.get("error")
             if err is None and _done(ar, i):
                 try:
-                    err = ar._children[i].exception()
+                    err = rank_futures(ar)[i].exception()
                 except Exception:  # noqa: BLE001
                     err = None
             if isinstance(err, ipp.error.EngineError) or (err is None and not _done(ar, i)):
@@ -551,8 +551,8 @@ class Pool:
             ar = self.client[:].apply_async(info)
             ar.wait(timeout)
             for i, r in enumerate(range(self.size)):
-                if _done(ar, i) and ar._children[i].exception() is None:
-                    ranks[r] = dict(ar._children[i].result())
+                if _done(ar, i) and rank_futures(ar)[i].exception() is None:
+                    ranks[r] = dict(rank_futures(ar)[i].result())
                     ranks[r]["state"] = self.last_cell.get(r, "idle")
                 else:
                     ranks[r] = {"state": "busy (not answering)"}
@@ -566,8 +566,15 @@ class _Timeout(Exception):
     pass
 
 
+def rank_futures(ar: Any) -> List[Any]:
+    """The per-rank futures of a cell's AsyncResult (completion, exception, output
+    callbacks). ipyparallel 9.2 offers no public per-engine future, so ``_children`` is the
+    one private attribute the pool reads; tests/test_pool.py pins its shape."""
+    return ar._children
+
+
 def _done(ar: Any, i: int) -> bool:
-    return ar._children[i].done()
+    return rank_futures(ar)[i].done()
 
 
 def _notify(sink: Any, name: str, *args: Any) -> None:
@@ -597,7 +604,7 @@ class _Pump:
     def flush(self) -> None:
         batches: List[Any] = []
         for i, r in enumerate(self.targets):
-            md = self.ar._metadata[i]
+            md = self.ar.metadata[i]
             for name in ("stdout", "stderr"):
                 text = md.get(name) or ""
                 off = self.offsets.get((r, name), 0)
