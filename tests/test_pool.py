@@ -219,7 +219,7 @@ def test_without_a_namespace_the_pool_says_so_and_keeps_its_own_sockets_local(mo
 
 
 def test_stale_pool_directories_are_cleaned(tmp_path):
-    from hvd_magic.kernel.pool import clean_stale_dirs
+    from hvd_magic.kernel.cells import clean_stale_dirs
     old, new = tmp_path / "hvdm-old", tmp_path / "hvdm-new"
     old.mkdir()
     new.mkdir()
@@ -263,7 +263,7 @@ def test_a_paused_rank_keeps_the_pool_until_the_heartbeat_limit():
 def test_the_one_private_ipyparallel_attribute_the_pool_reads():
     """Pool reads each rank's future through ``rank_futures`` (ipyparallel's private
     ``AsyncResult._children``: there is no public per-engine future); pinned here."""
-    from hvd_magic.kernel.pool import rank_futures
+    from hvd_magic.kernel.cells import rank_futures
     m = PoolManager()
     try:
         pool = m.ensure(2, None, None, None)

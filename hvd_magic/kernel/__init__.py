@@ -9,7 +9,8 @@ from .manager import PoolManager, make_config
 from .output import OutputSink, PoolCellError, PoolCellInterrupted, PoolCellTimeout, \
     RankDiedError, RankFailure, TextSink
 from .plan import PoolConfig, PoolPlan, plan_pool
-from .pool import CellOutcome, Pool, PoolError
+from .cells import CellOutcome
+from .pool import Pool, PoolError
 
 __all__ = ["CellOutcome", "OutputSink", "Pool", "PoolCellError", "PoolCellInterrupted",
            "PoolCellTimeout", "PoolConfig", "PoolError", "PoolManager", "PoolPlan",

@@ -17,10 +17,11 @@ import signal
 import tempfile
 import time
 import weakref
-from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 from .. import config
+from .cells import CellOutcome, Pump, clean_stale_dirs, notify, rank_done, rank_futures, \
+    short_tmp
 from .output import OutputSink, PoolCellError, PoolCellInterrupted, PoolCellTimeout, \
     RankDiedError, RankFailure, ranks_text
 from .plan import HEARTBEAT_MISSES, PoolConfig, PoolPlan, plan_pool
@@ -51,48 +52,6 @@ def _ipp():
     except ImportError as exc:
         raise ImportError(IPP_HINT) from exc
     return ipyparallel
-
-
-def _short_tmp() -> str:
-    base = tempfile.gettempdir()
-    return base if len(base) < 40 else "/tmp"
-
-
-def clean_stale_dirs(base: str, min_age_s: float = 60.0) -> List[str]:
-    """Remove pool directories (``hvdm-*`` in ``base``) of this user that no running
-    controller names and that are older than ``min_age_s``: what a kernel killed with
-    SIGKILL left behind. Returns the removed paths."""
-    import glob
-
-    import psutil
-    candidates = []
-    for path in glob.glob(os.path.join(base, "hvdm-*")):
-        try:
-            st = os.stat(path)
-        except OSError:
-            continue
-        if st.st_uid == os.getuid() and time.time() - st.st_mtime > min_age_s:
-            candidates.append(path)
-    if not candidates:
-        return []
-    in_use = set()
-    for proc in psutil.process_iter(["cmdline"]):
-        line = " ".join(proc.info["cmdline"] or [])
-        if "--profile-dir=" in line:
-            in_use.update(p for p in candidates if f"--profile-dir={p}" in line)
-    removed = [p for p in candidates if p not in in_use]
-    for path in removed:
-        shutil.rmtree(path, ignore_errors=True)
-    return removed
-
-
-@dataclass
-class CellOutcome:
-    """What a cell left behind: per-rank result bundles and execution counts."""
-
-    ranks: List[int]
-    results: Dict[int, Dict[str, Any]] = field(default_factory=dict)
-    counts: Dict[int, int] = field(default_factory=dict)
 
 
 _POOLS: "weakref.WeakSet[Pool]" = weakref.WeakSet()
@@ -135,10 +94,10 @@ class Pool:
         if sink is not None:
             sink.status(f"hvd: starting {self.config.np} ranks ...")
         try:
-            clean_stale_dirs(_short_tmp())
+            clean_stale_dirs(short_tmp())
         except Exception:  # noqa: BLE001 - housekeeping only
             pass
-        workdir = tempfile.mkdtemp(prefix="hvdm-", dir=_short_tmp())
+        workdir = tempfile.mkdtemp(prefix="hvdm-", dir=short_tmp())
         os.chmod(workdir, 0o700)
         self.config.workdir = workdir
         self.plan = plan = plan_pool(self.config)
@@ -269,7 +228,7 @@ class Pool:
         self.known = []
         if self.ended is None:
             self.ended = "stopped"
-        if self.config.workdir.startswith(_short_tmp()) and "hvdm-" in self.config.workdir:
+        if self.config.workdir.startswith(short_tmp()) and "hvdm-" in self.config.workdir:
             shutil.rmtree(self.config.workdir, ignore_errors=True)
         _POOLS.discard(self)
 
@@ -316,16 +275,16 @@ class Pool:
             raise PoolError(f"the pool is gone ({self.ended}); the next %%hvd cell starts a "
                             "new one")
         self.set_telemetry(getattr(sink, "telemetry_interval", None))
-        _notify(sink, "begin", targets, self.size, code)
+        notify(sink, "begin", targets, self.size, code)
         try:
             outcome = self._run(code, sink, targets, timeout)
         except PoolCellError as exc:
-            _notify(sink, "failed", exc)
+            notify(sink, "failed", exc)
             raise
         except BaseException:
-            _notify(sink, "finalize")
+            notify(sink, "finalize")
             raise
-        _notify(sink, "finalize")
+        notify(sink, "finalize")
         return outcome
 
     def set_telemetry(self, interval: Optional[float]) -> None:
@@ -350,7 +309,7 @@ class Pool:
         ar.add_done_callback(lambda _f: poke.put(1))
         for r in targets:
             self.last_cell[r] = "running a cell"
-        pump = _Pump(ar, targets, sink)
+        pump = Pump(ar, targets, sink)
         try:
             self._wait(ar, pump, poke, timeout)
         except KeyboardInterrupt:
@@ -361,7 +320,7 @@ class Pool:
                                           f"ran past --timeout {timeout:g} s")
             raise PoolCellTimeout([RankFailure(r, "timeout", "TimeoutError",
                                                f"cell ran past --timeout {timeout:g} s")
-                                   for r in targets if not _done(ar, targets.index(r))],
+                                   for r in targets if not rank_done(ar, targets.index(r))],
                                   note) from None
         finally:
             pump.flush()
@@ -378,7 +337,7 @@ class Pool:
             view = self._views[key] = self.client[list(targets)]
         return view
 
-    def _wait(self, ar: Any, pump: "_Pump", poke: "queue.SimpleQueue[int]",
+    def _wait(self, ar: Any, pump: "Pump", poke: "queue.SimpleQueue[int]",
               timeout: Optional[float]) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         while not ar.ready():
@@ -409,23 +368,23 @@ class Pool:
         ipp = _ipp()
         return any(isinstance(md.get("error"), ipp.error.EngineError) for md in ar.metadata)
 
-    def _settle_interrupt(self, ar: Any, pump: "_Pump", targets: List[int],
+    def _settle_interrupt(self, ar: Any, pump: "Pump", targets: List[int],
                           sink: OutputSink, why: str) -> str:
         """Stop the cell on every busy rank (SIGINT through the nannies), then reset the
         runtime on every rank; if a rank does not stop, stop the pool. Returns what happened."""
         try:
             t0 = time.monotonic()
-            busy = [r for i, r in enumerate(targets) if not _done(ar, i)]
+            busy = [r for i, r in enumerate(targets) if not rank_done(ar, i)]
             if busy:
                 self.interrupt(busy)
             while not ar.ready() and time.monotonic() - t0 < 2.5:
                 ar.wait(0.05)
                 pump.flush()
                 if time.monotonic() - t0 > 1.0 and busy:
-                    self.interrupt([r for i, r in enumerate(targets) if not _done(ar, i)])
+                    self.interrupt([r for i, r in enumerate(targets) if not rank_done(ar, i)])
                     busy = []
             if not ar.ready():
-                stuck = [r for i, r in enumerate(targets) if not _done(ar, i)]
+                stuck = [r for i, r in enumerate(targets) if not rank_done(ar, i)]
                 self.ended = f"{ranks_text(stuck)} did not stop when interrupted"
                 self.stop()
                 return (f"{why}; {self.ended}, so the pool was stopped; the next %%hvd cell "
@@ -481,12 +440,12 @@ class Pool:
         for i, r in enumerate(targets):
             md = ar.metadata[i]
             err = md.get("error")
-            if err is None and _done(ar, i):
+            if err is None and rank_done(ar, i):
                 try:
                     err = rank_futures(ar)[i].exception()
                 except Exception:  # noqa: BLE001
                     err = None
-            if isinstance(err, ipp.error.EngineError) or (err is None and not _done(ar, i)):
+            if isinstance(err, ipp.error.EngineError) or (err is None and not rank_done(ar, i)):
                 died = True
                 failures.append(RankFailure(r, "died", "EngineError", "rank ended"))
             elif err is not None:
@@ -551,7 +510,7 @@ class Pool:
             ar = self.client[:].apply_async(info)
             ar.wait(timeout)
             for i, r in enumerate(range(self.size)):
-                if _done(ar, i) and rank_futures(ar)[i].exception() is None:
+                if rank_done(ar, i) and rank_futures(ar)[i].exception() is None:
                     ranks[r] = dict(rank_futures(ar)[i].result())
                     ranks[r]["state"] = self.last_cell.get(r, "idle")
                 else:
@@ -564,66 +523,3 @@ class Pool:
 
 class _Timeout(Exception):
     pass
-
-
-def rank_futures(ar: Any) -> List[Any]:
-    """The per-rank futures of a cell's AsyncResult (completion, exception, output
-    callbacks). ipyparallel 9.2 offers no public per-engine future, so ``_children`` is the
-    one private attribute the pool reads; tests/test_pool.py pins its shape."""
-    return ar._children
-
-
-def _done(ar: Any, i: int) -> bool:
-    return rank_futures(ar)[i].done()
-
-
-def _notify(sink: Any, name: str, *args: Any) -> None:
-    """Call ``sink.name(*args)`` when the sink has that optional method."""
-    fn = getattr(sink, name, None)
-    if fn is not None:
-        fn(*args)
-
-
-class _Pump:
-    """Moves new output and telemetry from ipyparallel's per-engine metadata to a sink (main
-    thread only).
-
-    ipyparallel's IO thread appends each message to the metadata before running callbacks;
-    reading the metadata (not the messages) means nothing is lost or doubled even for output
-    that arrived before the callbacks were attached. Telemetry batches are the ranks'
-    ``data_message`` entries, keyed ``hvdm.<rank>.<seq>`` (:mod:`.telemetry`).
-    """
-
-    def __init__(self, ar: Any, targets: List[int], sink: OutputSink) -> None:
-        self.ar, self.targets, self.sink = ar, targets, sink
-        self.offsets: Dict[tuple, int] = {}
-        self.seen: set = set()
-        self.ingest = getattr(sink, "ingest", None)
-        self.poll = getattr(sink, "poll", None)     # the sink's own periodic work, if any
-
-    def flush(self) -> None:
-        batches: List[Any] = []
-        for i, r in enumerate(self.targets):
-            md = self.ar.metadata[i]
-            for name in ("stdout", "stderr"):
-                text = md.get(name) or ""
-                off = self.offsets.get((r, name), 0)
-                if len(text) > off:
-                    self.sink.stream(r, name, text[off:])
-                self.offsets[(r, name)] = len(text)
-            outputs = md.get("outputs") or []
-            seen = self.offsets.get((r, "outputs"), 0)
-            for item in outputs[seen:]:
-                self.sink.display(r, item.get("data", {}), item.get("metadata", {}))
-            self.offsets[(r, "outputs")] = len(outputs)
-            data = md.get("data")
-            if data and self.ingest is not None:
-                for key in [k for k in list(data) if k.startswith("hvdm.")
-                            and k not in self.seen]:
-                    self.seen.add(key)
-                    batches.append(data[key])
-        if batches:
-            batches.sort(key=lambda b: (b.get("rank", 0), b.get("seq", 0)))
-            self.ingest(batches)
-        if self.poll is not None:
-            self.poll()
