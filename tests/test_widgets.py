@@ -7,6 +7,8 @@ import shutil
 
 import pytest
 
+from hvd_magic.kernel import spans as SP
+from hvd_magic.widgets import html as H
 from hvd_magic.widgets import model as M
 from hvd_magic.widgets.scaling import ScalePoint, parse_np_list, scale_rows, scale_text
 
@@ -60,7 +62,7 @@ def ev(phase, start, dur, tensor="t", rank=0):
 def test_compact_merges_overlapping_same_phase_and_measures_busy():
     events = [ev("NEGOTIATE", 0, 10, "a"), ev("NEGOTIATE", 5, 10, "b"), ev("QUEUE", 15, 5, "a"),
               ev("MPI_ALLREDUCE", 20, 10, "a"), ev("CYCLE_START", 1, None), ev("X", 100, None)]
-    spans, busy = M.compact_events(events)
+    spans, busy = SP.compact_events(events)
     assert spans == [(0.0, 15.0, "NEGOTIATE", "a +1"), (15.0, 20.0, "QUEUE", "a"),
                      (20.0, 30.0, "MPI_ALLREDUCE", "a")]
     assert busy == 30.0
@@ -68,7 +70,7 @@ def test_compact_merges_overlapping_same_phase_and_measures_busy():
 
 def test_compact_caps_spans_but_not_busy():
     events = [ev("MPI_ALLREDUCE", i * 10, 5) for i in range(100)]
-    spans, busy = M.compact_events(events, max_spans=10)
+    spans, busy = SP.compact_events(events, max_spans=10)
     assert len(spans) == 10 and spans[-1][0] == 990.0
     assert busy == 500.0
 
@@ -93,7 +95,7 @@ def test_cut_batches_do_not_invent_compute():
 
 
 def test_merge_intervals():
-    assert M.merge_intervals([(5, 6), (0, 2), (1, 3), (3, 4)]) == [(0, 4), (5, 6)]
+    assert SP.merge_intervals([(5, 6), (0, 2), (1, 3), (3, 4)]) == [(0, 4), (5, 6)]
 
 
 def test_chrome_trace_is_valid_and_per_rank():
@@ -152,7 +154,7 @@ def test_cell_state_throughput_efficiency_comm_and_summary():
     text = c.summary_text()
     assert "rank 0 done, rank 1 done" in text and "180 samples/s" in text
     assert "scaling efficiency 90%" in text and "collectives in flight 25%" in text
-    assert "hvdm-eff" in M.metrics_html(c) and "90%" in M.metrics_html(c)
+    assert "hvdm-eff" in H.metrics_html(c) and "90%" in H.metrics_html(c)
 
 
 def test_cell_state_status_waiting_stalled_banner():
@@ -170,7 +172,7 @@ def test_cell_state_status_waiting_stalled_banner():
     assert "submitted by 0" in text and "since" in text and "(6.0 s)" in text
     c.ingest(batch(1, 1, 107.0, status="failed", error="ValueError: boom"))
     assert c.banner() == ("error", "rank 1 failed: ValueError: boom")
-    assert "rank 1: failed" in M.badge_html(1, c.rank[1].status)
+    assert "rank 1: failed" in H.badge_html(1, c.rank[1].status)
 
 
 def test_cell_state_stall_from_runtime_stderr_and_failures():
@@ -191,7 +193,7 @@ def test_cell_state_new_rank_and_snapshot():
     c.stream(3, "stdout", "hello\n")
     assert c.ranks == [0, 3]
     c.ingest(batch(3, 1, 1.0, spans=[(0.2e6, 0.3e6, "MPI_ALLREDUCE", "g")]))
-    html = M.snapshot_html(c)
+    html = H.snapshot_html(c)
     assert "hello" in html and "<svg" in html and "rank 3" in html and "<script" not in html
 
 

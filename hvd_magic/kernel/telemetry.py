@@ -10,7 +10,7 @@ that cell's metadata). Keys are ``hvdm.<rank>.<seq>`` so no batch overwrites ano
 
 A batch (plain dict): ``rank, seq, t, t0`` (cell start), ``status`` (running / done /
 failed), ``error``, ``samples`` (cumulative) and ``samples_t`` (time of the latest report),
-``spans`` (merged phase spans, see :func:`hvd_magic.widgets.model.compact_events`), ``busy_us`` (time with a
+``spans`` (merged phase spans, see :func:`.spans.compact_events`), ``busy_us`` (time with a
 collective in flight in this batch), ``pending`` (``hvd.pending()``).
 """
 from __future__ import annotations
@@ -138,7 +138,7 @@ class _Telemetry:
                     pass
 
     def batch(self, status: str, error: str = "") -> dict:
-        from ..widgets.model import compact_tail   # pure: merges events into spans
+        from .spans import compact_tail
         q = self.events
         events = [q.popleft() for _ in range(len(q))]
         now = time.time()

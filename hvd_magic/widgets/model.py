@@ -2,12 +2,13 @@
 of the data it is given, so it is unit-tested on its own (``tests/test_widgets.py``).
 
 * :class:`LogBuffer`: per-rank stdout/stderr lines, the last N kept, "... N earlier lines".
-* :func:`compact_events`: the runtime's timeline events -> merged phase spans (engine side).
+* :mod:`hvd_magic.kernel.spans`: the runtime's timeline events -> merged phase spans
+  (engine side); :mod:`.html`: the static HTML of a finished cell.
 * :class:`SpanTrack`: spans per rank with the gaps between collectives filled in as compute.
 * :class:`Throughput`, :func:`efficiency`, :func:`comm_fraction`: the arithmetic of samples/s.
 * :class:`CellState`: everything one cell's widget shows, fed with telemetry batches; its
   ``summary_text()`` is what a terminal / nbconvert gets instead of the widgets.
-* :func:`chrome_trace`, :func:`snapshot_html`, :func:`timeline_svg`: what is saved.
+* :func:`chrome_trace`, :func:`dumps_trace`: the timeline saved for Perfetto.
 """
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ import json
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from ..kernel.spans import Span
 
 # ---------------------------------------------------------------------------- statuses
 
@@ -130,113 +133,6 @@ def _cr(line: str) -> str:
 
 
 # ---------------------------------------------------------------------------- spans
-
-Span = Tuple[float, float, str, str]     # (start_us, end_us, phase, label)
-
-
-def merge_intervals(intervals: Iterable[Tuple[float, float]]) -> List[Tuple[float, float]]:
-    """Union of ``[start, end]`` intervals, sorted, overlapping or touching ones merged."""
-    out: List[List[float]] = []
-    for s, e in sorted(intervals):
-        if out and s <= out[-1][1]:
-            if e > out[-1][1]:
-                out[-1][1] = e
-        else:
-            out.append([s, e])
-    return [(s, e) for s, e in out]
-
-
-def compact_events(events: Iterable[Sequence[Any]], max_spans: int = 400) -> Tuple[List[Span], float]:
-    """Timeline events ``(rank, tensor, phase, start_us, dur_us, args)`` -> (spans, busy_us).
-
-    Overlapping events of the same phase (many tensors negotiated or reduced together) merge
-    into one span labelled with the tensors (``"grad.w +3"``). Instant events (no duration)
-    are dropped. ``busy_us`` is the union of all phases (time with a collective in flight),
-    computed before the newest ``max_spans`` spans are kept.
-    """
-    spans, busy, _cut = compact_tail(events, max_spans)
-    return spans, busy
-
-
-def compact_tail(events: Iterable[Sequence[Any]], max_spans: int = 400,
-                 since_us: Optional[float] = None) -> Tuple[List[Span], float, Optional[float]]:
-    """:func:`compact_events` for the engine's telemetry: (spans, busy_us, cut_us).
-
-    ``busy_us`` covers every event; spans are built only from the newest events (the merge
-    and the labels are the costly part, and all but the newest ``max_spans`` spans would be
-    dropped anyway). ``cut_us`` is the start of the first kept span when older ones were
-    left out (the receiver then draws no compute up to it), else None. With ``since_us``
-    (events collected from that time on), events that ended before it are dropped and busy
-    time counts only from it.
-    """
-    timed: List[Tuple[float, float, str, str]] = []
-    for ev in events:
-        dur, phase = ev[4], ev[2]
-        if dur is None or phase == "CYCLE_START":
-            continue
-        s = float(ev[3])
-        e = s + float(dur)
-        if since_us is not None and e < since_us:
-            continue
-        timed.append((s, e, phase, ev[1]))
-    if since_us is None:
-        busy = _union_length(timed)
-    else:
-        busy = _union_length([(max(s, since_us), e, p, t) for s, e, p, t in timed])
-    dropped = False
-    if max_spans and len(timed) > 4 * max_spans:
-        timed.sort()
-        timed = timed[-4 * max_spans:]
-        dropped = True
-    by_phase: Dict[str, List[Tuple[float, float, str]]] = {}
-    for s, e, phase, tensor in timed:
-        by_phase.setdefault(phase, []).append((s, e, str(tensor)))
-    spans: List[Span] = []
-    for phase, items in by_phase.items():
-        items.sort()
-        cur: Optional[List[Any]] = None
-        for s, e, tensor in items:
-            if cur is not None and s <= cur[1]:
-                if e > cur[1]:
-                    cur[1] = e
-                cur[2].append(tensor)
-            else:
-                if cur is not None:
-                    spans.append((cur[0], cur[1], phase, _label(cur[2])))
-                cur = [s, e, [tensor]]
-        if cur is not None:
-            spans.append((cur[0], cur[1], phase, _label(cur[2])))
-    spans.sort()
-    if max_spans and len(spans) > max_spans:
-        spans = spans[-max_spans:]
-        dropped = True
-    cut = spans[0][0] if dropped and spans else None
-    return spans, busy, cut
-
-
-def _union_length(intervals: List[Tuple[float, float, str, str]]) -> float:
-    """Total length of the union of ``(start, end, ...)`` intervals."""
-    if not intervals:
-        return 0.0
-    total = 0.0
-    cur_s = cur_e = None
-    for item in sorted(intervals):
-        s, e = item[0], item[1]
-        if cur_e is not None and s <= cur_e:
-            if e > cur_e:
-                cur_e = e
-        else:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
-    total += cur_e - cur_s
-    return total
-
-
-def _label(tensors: List[str]) -> str:
-    uniq = list(dict.fromkeys(tensors))
-    return uniq[0] if len(uniq) == 1 else f"{uniq[0]} +{len(uniq) - 1}"
-
 
 class SpanTrack:
     """Spans of every rank, with the gaps between collectives turned into COMPUTE spans.
@@ -586,85 +482,6 @@ def describe_pending(p: Mapping[str, Any], now: Optional[float] = None) -> str:
     return (f"{p.get('kind', 'collective')} of tensor '{p.get('name')}' waits for {who}"
             f"{' (submitted by ' + ', '.join(map(str, by)) + ')' if by else ''}"
             f"{since} ({waited:.1f} s)")
-
-
-# ---------------------------------------------------------------------------- snapshot
-
-def timeline_svg(spans: Mapping[int, Sequence[Span]], width: int = 900, row: int = 22,
-                 max_spans: int = 250) -> str:
-    """A small static SVG of the last ``max_spans`` spans per rank (saved notebooks)."""
-    ranks = sorted(spans)
-    keep = {r: list(spans[r])[-max_spans:] for r in ranks}
-    allsp = [s for r in ranks for s in keep[r]]
-    if not allsp:
-        return ""
-    t0 = min(s[0] for s in allsp)
-    t1 = max(s[1] for s in allsp)
-    scale = (width - 60) / max(t1 - t0, 1.0)
-    h = row * len(ranks) + 20
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{h}" '
-           'style="font:11px sans-serif">']
-    for i, r in enumerate(ranks):
-        y = 4 + i * row
-        out.append(f'<text x="0" y="{y + row * 0.6:.0f}">rank {r}</text>')
-        for s, e, phase, label in keep[r]:
-            grp = phase_group(phase)
-            x = 55 + (s - t0) * scale
-            w = max((e - s) * scale, 0.5)
-            hh = row * (0.35 if phase == COMPUTE else 0.8)
-            yy = y + (row - hh) / 2
-            out.append(f'<rect x="{x:.1f}" y="{yy:.1f}" width="{w:.1f}" height="{hh:.1f}" '
-                       f'fill="{GROUP_COLOR[grp]}"><title>{html.escape(phase)} '
-                       f'{html.escape(label)} {(e - s) / 1e3:.3f} ms</title></rect>')
-    out.append(f'<text x="55" y="{h - 3}">{(t1 - t0) / 1e6:.3f} s shown</text></svg>')
-    return "".join(out)
-
-
-def badge_html(rank: int, status: str, why: str = "") -> str:
-    color = STATUS_COLOR.get(status, "#888")
-    title = html.escape(why, quote=True)
-    return (f'<span class="hvdm-badge hvdm-{status}" data-rank="{rank}" title="{title}" '
-            f'style="display:inline-block;padding:1px 8px;margin-right:6px;border-radius:9px;'
-            f'color:white;background:{color};font-size:12px">rank {rank}: '
-            f'{html.escape(STATUS_TEXT.get(status, status))}</span>')
-
-
-def metrics_html(cell: CellState) -> str:
-    rates = cell.rates()
-    comm = cell.comm()
-    eff = cell.efficiency()
-    base = (f"{fmt_pct(eff)} <span style='color:#888'>(vs 1 rank: {fmt_rate(cell.single_rate)}"
-            " samples/s)</span>" if eff is not None else
-            "<span style='color:#888'>no 1-rank baseline (run with -np 1 or %hvd scale)</span>")
-    rows = "".join(f"<td style='padding:0 10px'>rank {r}: {fmt_rate(rates[r])} samples/s, "
-                   f"comm {fmt_pct(comm[r])}</td>" for r in cell.ranks)
-    return ("<div class='hvdm-metrics' style='font-size:13px'>"
-            f"<b>throughput</b> <span class='hvdm-total'>{fmt_rate(cell.total_rate())}</span> "
-            f"samples/s &nbsp; <b>scaling efficiency</b> <span class='hvdm-eff'>{base}</span> "
-            f"&nbsp; <b>communication</b> <span class='hvdm-comm'>{fmt_pct(cell.comm_mean())}"
-            "</span> of step time<table><tr>" + rows + "</tr></table></div>")
-
-
-def banner_html(cell: CellState) -> str:
-    level, text = cell.banner()
-    if not level:
-        return ""
-    bg = "#fdecea" if level == "error" else "#fff4e5"
-    fg = "#b71c1c" if level == "error" else "#8a4b00"
-    return (f"<div class='hvdm-banner hvdm-{level}' style='background:{bg};color:{fg};"
-            f"padding:4px 8px;border-radius:4px'>{html.escape(text)}</div>")
-
-
-def snapshot_html(cell: CellState, spans: Optional[Mapping[int, Sequence[Span]]] = None) -> str:
-    """The whole panel as static HTML (kept in the saved notebook; no kernel, no JavaScript)."""
-    badges = "".join(badge_html(r, cell.rank[r].status, cell.rank[r].why) for r in cell.ranks)
-    lanes = "".join(
-        f"<div><b>rank {r}</b><pre style='max-height:220px;overflow:auto;margin:2px 0;"
-        f"background:#f7f7f7;padding:4px'>{cell.logs[r].html()}</pre></div>" for r in cell.ranks)
-    svg = timeline_svg(spans if spans is not None else cell.track.all_spans())
-    return ("<details class='hvdm-snapshot'><summary>hvd: static copy of this cell's panel "
-            "(what a saved notebook shows without a kernel)</summary>"
-            f"{banner_html(cell)}<div>{badges}</div>{metrics_html(cell)}{lanes}{svg}</details>")
 
 
 def dumps_trace(spans: Mapping[int, Sequence[Span]]) -> str:

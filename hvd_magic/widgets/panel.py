@@ -11,8 +11,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from .. import config
 from ..kernel.output import PoolCellError
-from .model import (GROUP_COLOR, STATUS_TEXT, CellState, badge_html, banner_html, metrics_html,
-                    phase_group, snapshot_html)
+from .html import badge_html, banner_html, metrics_html, snapshot_html
+from .model import GROUP_COLOR, STATUS_TEXT, CellState, phase_group
 from .session import save_trace, session
 from .text import telemetry_interval
 

@@ -1,0 +1,87 @@
+"""The static HTML of a finished cell (what a saved notebook keeps): status badges, metrics,
+the banner, a small SVG timeline. Pure functions of a :class:`.model.CellState`."""
+from __future__ import annotations
+
+import html
+from typing import Mapping, Optional, Sequence
+
+from ..kernel.spans import Span
+from .model import (COMPUTE, GROUP_COLOR, STATUS_COLOR, STATUS_TEXT, CellState, fmt_pct,
+                    fmt_rate, phase_group)
+
+
+def timeline_svg(spans: Mapping[int, Sequence[Span]], width: int = 900, row: int = 22,
+                 max_spans: int = 250) -> str:
+    """A small static SVG of the last ``max_spans`` spans per rank (saved notebooks)."""
+    ranks = sorted(spans)
+    keep = {r: list(spans[r])[-max_spans:] for r in ranks}
+    allsp = [s for r in ranks for s in keep[r]]
+    if not allsp:
+        return ""
+    t0 = min(s[0] for s in allsp)
+    t1 = max(s[1] for s in allsp)
+    scale = (width - 60) / max(t1 - t0, 1.0)
+    h = row * len(ranks) + 20
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{h}" '
+           'style="font:11px sans-serif">']
+    for i, r in enumerate(ranks):
+        y = 4 + i * row
+        out.append(f'<text x="0" y="{y + row * 0.6:.0f}">rank {r}</text>')
+        for s, e, phase, label in keep[r]:
+            grp = phase_group(phase)
+            x = 55 + (s - t0) * scale
+            w = max((e - s) * scale, 0.5)
+            hh = row * (0.35 if phase == COMPUTE else 0.8)
+            yy = y + (row - hh) / 2
+            out.append(f'<rect x="{x:.1f}" y="{yy:.1f}" width="{w:.1f}" height="{hh:.1f}" '
+                       f'fill="{GROUP_COLOR[grp]}"><title>{html.escape(phase)} '
+                       f'{html.escape(label)} {(e - s) / 1e3:.3f} ms</title></rect>')
+    out.append(f'<text x="55" y="{h - 3}">{(t1 - t0) / 1e6:.3f} s shown</text></svg>')
+    return "".join(out)
+
+
+def badge_html(rank: int, status: str, why: str = "") -> str:
+    color = STATUS_COLOR.get(status, "#888")
+    title = html.escape(why, quote=True)
+    return (f'<span class="hvdm-badge hvdm-{status}" data-rank="{rank}" title="{title}" '
+            f'style="display:inline-block;padding:1px 8px;margin-right:6px;border-radius:9px;'
+            f'color:white;background:{color};font-size:12px">rank {rank}: '
+            f'{html.escape(STATUS_TEXT.get(status, status))}</span>')
+
+
+def metrics_html(cell: CellState) -> str:
+    rates = cell.rates()
+    comm = cell.comm()
+    eff = cell.efficiency()
+    base = (f"{fmt_pct(eff)} <span style='color:#888'>(vs 1 rank: {fmt_rate(cell.single_rate)}"
+            " samples/s)</span>" if eff is not None else
+            "<span style='color:#888'>no 1-rank baseline (run with -np 1 or %hvd scale)</span>")
+    rows = "".join(f"<td style='padding:0 10px'>rank {r}: {fmt_rate(rates[r])} samples/s, "
+                   f"comm {fmt_pct(comm[r])}</td>" for r in cell.ranks)
+    return ("<div class='hvdm-metrics' style='font-size:13px'>"
+            f"<b>throughput</b> <span class='hvdm-total'>{fmt_rate(cell.total_rate())}</span> "
+            f"samples/s &nbsp; <b>scaling efficiency</b> <span class='hvdm-eff'>{base}</span> "
+            f"&nbsp; <b>communication</b> <span class='hvdm-comm'>{fmt_pct(cell.comm_mean())}"
+            "</span> of step time<table><tr>" + rows + "</tr></table></div>")
+
+
+def banner_html(cell: CellState) -> str:
+    level, text = cell.banner()
+    if not level:
+        return ""
+    bg = "#fdecea" if level == "error" else "#fff4e5"
+    fg = "#b71c1c" if level == "error" else "#8a4b00"
+    return (f"<div class='hvdm-banner hvdm-{level}' style='background:{bg};color:{fg};"
+            f"padding:4px 8px;border-radius:4px'>{html.escape(text)}</div>")
+
+
+def snapshot_html(cell: CellState, spans: Optional[Mapping[int, Sequence[Span]]] = None) -> str:
+    """The whole panel as static HTML (kept in the saved notebook; no kernel, no JavaScript)."""
+    badges = "".join(badge_html(r, cell.rank[r].status, cell.rank[r].why) for r in cell.ranks)
+    lanes = "".join(
+        f"<div><b>rank {r}</b><pre style='max-height:220px;overflow:auto;margin:2px 0;"
+        f"background:#f7f7f7;padding:4px'>{cell.logs[r].html()}</pre></div>" for r in cell.ranks)
+    svg = timeline_svg(spans if spans is not None else cell.track.all_spans())
+    return ("<details class='hvdm-snapshot'><summary>hvd: static copy of this cell's panel "
+            "(what a saved notebook shows without a kernel)</summary>"
+            f"{banner_html(cell)}<div>{badges}</div>{metrics_html(cell)}{lanes}{svg}</details>")
