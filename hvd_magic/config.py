@@ -58,9 +58,6 @@ _VARS = [
     Var("HVD_MAGIC_INLINE", "bool", True,
         "0: a waiting caller never runs the negotiation cycle itself; the background thread "
         "does all communication"),
-    Var("HVD_MAGIC_MALLOC_TUNE", "bool", False,
-        "1: hvd.init() raises glibc's mmap and trim thresholds (freed blocks are reused "
-        "instead of mapped afresh); left alone by default and when MALLOC_* is set"),
     Var("HVD_MAGIC_SWITCH_INTERVAL_MS", "float", None,
         "set the interpreter's GIL switch interval (ms) at hvd.init(); unset leaves "
         "Python's 5 ms"),

@@ -61,28 +61,6 @@ def test_engine_thread_only_path_at_3_ranks(tmp_path):
     assert proc.stdout.count("coll_errors OK") == 3, proc.stdout
 
 
-@NP
-def test_malloc_tune_opt_in_keeps_freed_memory_for_reuse(np_):
-    """With HVD_MAGIC_MALLOC_TUNE=1, hvd.init() makes a rank reuse freed blocks instead of
-    mapping fresh memory for each (a 100 x 4 KiB grouped allreduce at 2 ranks took ~119 page
-    faults a call under glibc's defaults). By default the allocator is left alone (its
-    faults are shown, not asserted: they vary by machine)."""
-    import platform
-    import sys
-    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
-        pytest.skip("glibc only")
-
-    def faults(env=None):
-        proc = mpirun("coll_malloc.py", np_, env=env)
-        got = [float(line.split()[2]) for line in proc.stdout.splitlines()
-               if line.startswith("FAULTS")]
-        assert len(got) == np_, proc.stdout
-        return got
-
-    tuned, default = faults({"HVD_MAGIC_MALLOC_TUNE": "1"}), faults()
-    assert max(tuned) < 5, (tuned, default)
-
-
 def test_ctrl_c_during_an_inline_cycle_is_held_until_the_cycle_ends():
     """A waiting main thread runs negotiation cycles itself; a Ctrl-C in the middle of one
     must not leave it half done. It is held back and raised as soon as the cycle ends."""

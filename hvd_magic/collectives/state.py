@@ -7,7 +7,7 @@ import os
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from .errors import NOT_INITIALIZED
 
@@ -77,7 +77,6 @@ def init(comm: Optional[Any] = None) -> None:
 
         cfg = Config.from_env()
         _set_switch_interval()
-        tune_malloc(os.environ)
         mine = base.Dup()
         local = mine.Split_type(MPI.COMM_TYPE_SHARED, key=mine.Get_rank())
         cross = mine.Split(color=local.Get_rank(), key=mine.Get_rank())
@@ -105,41 +104,6 @@ def init(comm: Optional[Any] = None) -> None:
         if cfg.timeline and _state.rank == 0:
             engine.writer = TimelineWriter(cfg.timeline, cfg.timeline_mark_cycles)
         _state.engine = engine
-
-
-#: glibc's mallopt parameters, and the values set by :func:`tune_malloc`.
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-MALLOC_MMAP_THRESHOLD = 32 * 1024 * 1024    # glibc's maximum
-MALLOC_TRIM_THRESHOLD = 64 * 1024 * 1024
-_malloc_tuned: Optional[bool] = None
-
-
-def tune_malloc(env: Mapping[str, str]) -> bool:
-    """``HVD_MAGIC_MALLOC_TUNE=1`` (opt-in): keep freed blocks of up to 32 MiB in glibc's
-    heap instead of unmapping them, for the rest of the process (the mmap threshold at 32 MiB,
-    the trim threshold at 64 MiB). Left alone by default, and when the user tunes malloc
-    (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``GLIBC_TUNABLES``, ``LD_PRELOAD``
-    of another allocator). Returns True when it set them."""
-    global _malloc_tuned
-    if _malloc_tuned is not None:
-        return _malloc_tuned
-    _malloc_tuned = False
-    if env.get("HVD_MAGIC_MALLOC_TUNE", "0") in ("", "0") or any(
-            env.get(k) for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
-                                 "GLIBC_TUNABLES", "LD_PRELOAD")):
-        return False
-    import platform
-    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        import ctypes
-        libc = ctypes.CDLL("libc.so.6")
-        ok = (libc.mallopt(_M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD) == 1
-              and libc.mallopt(_M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD) == 1)
-    except (OSError, AttributeError):
-        return False
-    _malloc_tuned = ok
-    return ok
 
 
 def _set_switch_interval() -> None:
