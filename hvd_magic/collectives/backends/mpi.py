@@ -5,9 +5,10 @@ Allreduce follows one rule: the engine fuses small tensors into one buffer up to
 ``HVD_MAGIC_ALLREDUCE_CHUNK_MB`` (reduced alone), goes to MPI in place where the caller
 allows it (``allreduce_``), else through the backend's own buffer (:meth:`_allreduce_one`),
 as MPI calls of at most that many bytes (one call when it fits, or with
-``HVD_MAGIC_ALLREDUCE_CHUNK_MB=0``). The pieces: at 2 ranks on one host 16 MiB ran
-1.3-1.4x and 64 MiB 2.2-3.3x faster than as one call (``benchmarks/collectives.py``),
-since one big call runs through temporaries of the whole size and falls out of the caches.
+``HVD_MAGIC_ALLREDUCE_CHUNK_MB=0``). The pieces: at 2 ranks on one host 64 MiB ran
+1.7-3.3x and 16 MiB 1.0-1.5x faster than as one call (ten launches of
+``benchmarks/collectives.py``): one big call runs through temporaries of the whole size and
+falls out of the caches.
 """
 from __future__ import annotations
 
