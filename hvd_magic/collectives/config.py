@@ -1,18 +1,9 @@
 """Runtime settings of a rank, from Horovod's environment variables (and hvd_magic's own)."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
+from .. import config as env
 
 
 @dataclass
@@ -31,20 +22,18 @@ class Config:
 
     @classmethod
     def from_env(cls) -> "Config":
-        cpu_ops = os.environ.get("HOROVOD_CPU_OPERATIONS", "mpi").strip().lower() or "mpi"
-        if cpu_ops not in ("mpi", "gloo"):
-            raise ValueError(f"HOROVOD_CPU_OPERATIONS={cpu_ops!r}: use 'mpi' or 'gloo'")
-        stall = _env_float("HOROVOD_STALL_CHECK_TIME_SECONDS", 60.0)
-        if os.environ.get("HOROVOD_STALL_CHECK_DISABLE", "") not in ("", "0"):
+        """From the environment (declared, with their defaults, in hvd_magic/config.py)."""
+        stall = env.get("HOROVOD_STALL_CHECK_TIME_SECONDS")
+        if env.get("HOROVOD_STALL_CHECK_DISABLE"):
             stall = 0.0
         return cls(
-            cycle_time_s=_env_float("HOROVOD_CYCLE_TIME", 0.0) / 1000.0,
-            fusion_threshold=int(_env_float("HOROVOD_FUSION_THRESHOLD", 64 * 1024 * 1024)),
-            allreduce_chunk=max(0, int(_env_float("HVD_MAGIC_ALLREDUCE_CHUNK_MB", 1.0) * 2**20)),
-            cache_capacity=max(0, int(_env_float("HOROVOD_CACHE_CAPACITY", 1024))),
+            cycle_time_s=env.get("HOROVOD_CYCLE_TIME") / 1000.0,
+            fusion_threshold=env.get("HOROVOD_FUSION_THRESHOLD"),
+            allreduce_chunk=max(0, int(env.get("HVD_MAGIC_ALLREDUCE_CHUNK_MB") * 2**20)),
+            cache_capacity=max(0, env.get("HOROVOD_CACHE_CAPACITY")),
             stall_check_s=stall,
-            stall_shutdown_s=_env_float("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0.0),
-            cpu_operations=cpu_ops,
-            timeline=os.environ.get("HOROVOD_TIMELINE", ""),
-            timeline_mark_cycles=os.environ.get("HOROVOD_TIMELINE_MARK_CYCLES", "") not in ("", "0"),
+            stall_shutdown_s=env.get("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"),
+            cpu_operations=env.get("HOROVOD_CPU_OPERATIONS"),
+            timeline=env.get("HOROVOD_TIMELINE"),
+            timeline_mark_cycles=env.get("HOROVOD_TIMELINE_MARK_CYCLES"),
         )

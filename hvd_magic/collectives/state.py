@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import atexit
 import importlib.util
-import os
 import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from .. import config as env
 from .errors import NOT_INITIALIZED
 
 
@@ -112,14 +112,9 @@ def _set_switch_interval() -> None:
     Measured at 2 ranks: 0.5 ms (against Python's 5 ms) doubled a 4 KiB allreduce's latency
     (56-66 us -> 110-116 us) and changed bucketed training throughput within noise, so the
     default leaves the interpreter alone."""
-    import sys
-    raw = os.environ.get("HVD_MAGIC_SWITCH_INTERVAL_MS")
-    if not raw:
+    ms = env.get("HVD_MAGIC_SWITCH_INTERVAL_MS")
+    if ms is None:
         return
-    try:
-        ms = float(raw)
-    except ValueError:
-        raise ValueError(f"HVD_MAGIC_SWITCH_INTERVAL_MS={raw!r} is not a number of milliseconds") from None
     if ms > 0:
         sys.setswitchinterval(ms / 1000.0)
 
@@ -132,7 +127,7 @@ def shutdown(timeout: Optional[float] = None) -> None:
         if engine is None:
             return
         if timeout is None:
-            timeout = float(os.environ.get("HVD_MAGIC_SHUTDOWN_TIMEOUT", "30"))
+            timeout = env.get("HVD_MAGIC_SHUTDOWN_TIMEOUT")
         finished = engine.shutdown(timeout)
         if finished:
             engine.comm.Free()
@@ -146,7 +141,7 @@ def shutdown(timeout: Optional[float] = None) -> None:
 def _at_exit() -> None:
     if _state.engine is not None and _state.engine.dead is None:
         try:
-            shutdown(timeout=float(os.environ.get("HVD_MAGIC_EXIT_TIMEOUT", "10")))
+            shutdown(timeout=env.get("HVD_MAGIC_EXIT_TIMEOUT"))
         except Exception:
             pass
 

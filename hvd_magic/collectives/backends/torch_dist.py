@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ... import config as env
 from .. import ops
 from ..ops import ReduceOp
 from ..timeline import MEMCPY_IN, MEMCPY_OUT, now_us
@@ -57,7 +58,7 @@ def rendezvous_addr() -> str:
     first interface in ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` (hvdrun
     ``--network-interface``); else what the hostname resolves to, unless that is loopback
     (Debian's 127.0.1.1 entry)."""
-    given = os.environ.get("HVD_MAGIC_RENDEZVOUS_ADDR", "").strip()
+    given = env.get("HVD_MAGIC_RENDEZVOUS_ADDR").strip()
     if given:
         return given
     for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
@@ -110,7 +111,7 @@ class TorchBackend:
         single_host = len(set(hosts)) == 1
         if single_host:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        timeout = datetime.timedelta(seconds=float(os.environ.get("HVD_MAGIC_TORCH_INIT_TIMEOUT", "120")))
+        timeout = datetime.timedelta(seconds=env.get("HVD_MAGIC_TORCH_INIT_TIMEOUT"))
         addr, port, error = "", 0, None
         if self.rank == 0:
             try:   # a failure here is sent to every rank, which would otherwise wait forever
@@ -186,11 +187,11 @@ class TorchBackend:
                 np.copyto(req.out, self._numpy(t).reshape(req.out.shape), casting="unsafe")
             else:
                 req.out.copy_(t.reshape(req.out.shape))
-            req.handle._result = req.out
+            req.result = req.out
         elif isinstance(user, np.ndarray):
-            req.handle._result = self._numpy(t)
+            req.result = self._numpy(t)
         else:
-            req.handle._result = t
+            req.result = t
 
     def _finish(self, buf: Any, op: ReduceOp, postscale: float, n_contrib: int) -> None:
         if buf.is_floating_point():
