@@ -8,8 +8,8 @@ ready requests in the same order, then carry them out (fused where possible).
 
 Costs when idle and when waiting:
 - with nothing pending anywhere the thread blocks on a condition variable (no CPU);
-- waiting for other ranks it polls the non-blocking allgather, spinning for at most
-  ``SPIN_S`` and then sleeping with exponential backoff up to ``MAX_POLL_S``;
+- waiting for other ranks it polls the non-blocking allgather (:mod:`.waiting`: spinning
+  only while a user thread waits, else sleeping with exponential backoff);
 - when every rank has something pending but nothing new to say, cycles are spaced
   out with the same backoff, so ranks that wait on each other do not spin.
 """
@@ -22,33 +22,20 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-import numpy as np
 from mpi4py import MPI
 from _thread import allocate_lock as _allocate_lock
 from collections import deque
 
 from .config import Config
-from .errors import HvdError, JoinedRankError, ShutdownError, StallError, TensorMismatchError
+from .errors import HvdError, ShutdownError
+from .exchange import EAGER_MAX, EAGER_SLOT, SLOT, SlotExchange, eager_payloads
+from .execute import Executor
 from .handles import Handle, LocalReq
 from .interrupts import defer_sigint, restore_sigint
-from .plan import _tuple_new, Ann, AnnCodec, Bucket, CycleCache, Negotiator, RankMsg, Response, plan_fusion
+from .plan import _tuple_new, Ann, AnnCodec, CycleCache, Negotiator, RankMsg, plan_fusion
 from .stall import StallCheck
-from .timeline import CYCLE, NEGOTIATE, QUEUE, Timeline, TimelineWriter, now_us
-
-SLOT = 2048            # bytes per rank in the first negotiation round (more: a second round)
-EAGER_SLOT = 8192      # the same with HVD_MAGIC_EAGER=1
-EAGER_MAX = 4096       # with HVD_MAGIC_EAGER=1, an allreduce input this small rides in the message
-# Poll without sleeping this long, only while a user thread waits (so the rank has nothing
-# else to run). On the 2-core VM a training step's wait is mostly under a few ms, and a
-# sleep-poll there gives the core away and comes back late: 2-rank training ran ~20% faster
-# with 5 ms than with 0.2 ms (benchmarks/README.md). A long wait still costs ~3% of a core.
-SPIN_S = 5e-3
-INLINE_SPIN_S = 200e-6  # a waiting caller runs the cycle itself for at most this long
-MIN_SLEEP_S = 20e-6
-MAX_POLL_S = 1e-3      # longest sleep between polls while waiting for other ranks
-
-_ERRORS = {"mismatch": TensorMismatchError, "stall": StallError,
-           "joined": JoinedRankError, "shutdown": ShutdownError}
+from .timeline import CYCLE, Timeline, TimelineWriter, now_us
+from .waiting import INLINE_SPIN_S, MAX_POLL_S, MIN_SLEEP_S, tight_timer_slack, wait_request
 
 
 class Engine:
@@ -97,21 +84,17 @@ class Engine:
         self._eager_max = EAGER_MAX if (self.size <= 16 and config.cpu_operations == "mpi"
                                         and os.environ.get("HVD_MAGIC_EAGER", "0") == "1") else 0
         self._slot = EAGER_SLOT if self._eager_max else SLOT
-        self._send = np.zeros(self._slot, dtype=np.uint8)
-        self._recv = np.zeros((self.size, self._slot), dtype=np.uint8)
-        self._send_mv = memoryview(self._send)
-        self._recv_mv = memoryview(self._recv.reshape(-1))
-        self._recv_lens = self._recv[:, :8].view("<u8")     # each rank's message length
-        self._sent_data = b""        # what the send buffer holds now (written again if not)
+        self.wire = SlotExchange(comm, self._slot)
         self.stall = StallCheck(config.stall_check_s, config.stall_shutdown_s, self.rank)
         self._next_tick = 0.0
         self._empty_streak = 0
         self._in_cycle_since = 0.0
         self.cycles = 0
-        self._torch_backend = None
         self.writer: Optional[TimelineWriter] = None
-        from .backends.mpi import MPIBackend
-        self.mpi_backend = MPIBackend(comm, timeline, config.allreduce_chunk)
+        self.executor = Executor(comm, config, timeline, self._inflight, self._cancelled,
+                                 self._take, self._take_join)
+        self._execute = self.executor.execute
+        self.mpi_backend = self.executor.mpi_backend
         # CPU tensors this big are reduced alone, never fused (plan_fusion)
         self._alone = config.allreduce_chunk if config.cpu_operations == "mpi" else 0
         self.thread = threading.Thread(target=self._main, name=f"hvd_magic-engine-{self.rank}",
@@ -170,6 +153,27 @@ class Engine:
         if ring:
             self._ring()
 
+    def wait_for(self, handle: Handle, timeout: Optional[float] = None) -> None:
+        """Block the calling user thread until ``handle`` is resolved (interruptible):
+        TimeoutError after ``timeout`` s, HvdError if the runtime stops meanwhile. While
+        the engine thread sleeps, the caller runs the cycle itself first (no hand-offs)."""
+        if self.inline and self._cycle_lock.acquire(False):
+            self._run_inline()   # releases the cycle lock
+            if handle.done():
+                return
+        self.urgent(ring=True)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.waiters += 1
+        try:
+            while not handle.block(0.5 if deadline is None else
+                                   max(0.0, min(0.5, deadline - time.monotonic()))):
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"{handle.kind} of tensor '{handle.name}' did not finish "
+                                       f"within {timeout} s")
+                self.raise_if_dead(handle.name)
+        finally:
+            self.waiters -= 1
+
     def raise_if_dead(self, name: str) -> None:
         if self.dead is not None and self.stopped.is_set():
             raise HvdError(f"the hvd_magic runtime on rank {self.rank} stopped while "
@@ -200,7 +204,7 @@ class Engine:
 
     # ------------------------------------------------------------------ engine thread
     def _main(self) -> None:
-        _tight_timer_slack()
+        tight_timer_slack()
         try:
             self._loop()
         except BaseException as exc:  # noqa: BLE001 - report anything, then fail pending work
@@ -216,11 +220,7 @@ class Engine:
             self._fail_all(ShutdownError("hvd_magic was shut down before this request finished"))
             if self.writer is not None:
                 self.writer.close()
-            if self._torch_backend is not None:
-                try:
-                    self._torch_backend.close()
-                except Exception:  # noqa: BLE001 - best effort at shutdown
-                    pass
+            self.executor.close()
             self.stopped.set()
 
     def _fail_all(self, err: BaseException) -> None:
@@ -230,9 +230,9 @@ class Engine:
             self._new.clear()
             join, self._join = self._join, None
         for r in reqs:
-            r.handle._set(error=err)
+            r.handle.resolve(error=err)
         if join is not None:
-            join._set(error=err)
+            join.resolve(error=err)
 
     def _sleep(self, timeout: Optional[float]) -> None:
         """Sleep until rung or ``timeout`` (None: forever) passes."""
@@ -286,18 +286,7 @@ class Engine:
         else:
             cancels, join = (), False
         shut, self._shutdown_announce = self._shutdown_announce, False
-        payloads: Any = ()
-        if self._eager_max:
-            payloads = []
-            # Room left in the fixed slot once the metadata (~100 bytes a request) is in.
-            budget = self._slot - 1024 - 100 * len(new)
-            for i, r in enumerate(new):
-                a = r.ann
-                if a.kind == "allreduce" and a.device == "cpu":
-                    src = r.src()
-                    if src.nbytes <= self._eager_max and src.nbytes <= budget:
-                        budget -= src.nbytes
-                        payloads.append((i, src.tobytes()))
+        payloads: Any = eager_payloads(new, self._slot, self._eager_max) if self._eager_max else ()
         self._sent = anns = [r.ann for r in new]
         # (tuple.__new__: the namedtuple constructor's argument handling costs ~0.3 us)
         return _tuple_new(RankMsg, (self.codec.encode(anns), cancels, join, shut,
@@ -392,20 +381,9 @@ class Engine:
     def _post_exchange(self, msg: RankMsg) -> None:
         """Start allgathering every rank's message (marshal-encoded plain tuples)."""
         data = marshal.dumps(tuple(msg))
-        if data != self._sent_data:      # (a loop sends the same bytes every step)
-            self._load_send(data)
         self._in_cycle_since = time.monotonic()
         # (the key and lookup of the cycle cache are skipped unless this message can be kept)
-        self._px = (self.comm.Iallgather(self._send, self._recv), data, CycleCache.cacheable(msg))
-
-    def _load_send(self, data: bytes) -> None:
-        """Put ``data`` in the send buffer: its length, then itself where it fits (what
-        does not fit goes in a second round, ``_finish_exchange``)."""
-        n = len(data)
-        self._send_mv[:8] = n.to_bytes(8, "little")
-        if n <= self._slot - 8:
-            self._send_mv[8:8 + n] = data
-        self._sent_data = data
+        self._px = (self.wire.post(data), data, CycleCache.cacheable(msg))
 
     def _finish_exchange(self, done: bool = False) -> tuple:
         """Complete the posted exchange (``done``: its request is known to be complete):
@@ -416,19 +394,11 @@ class Engine:
         if not done:
             self._wait(req)
         self._px = None
-        slot = self._slot
-        mv = self._recv_mv
-        lens = self._recv_lens.ravel().tolist()
+        # (a second round, for what did not fit in the slot, is never cached)
+        wire, keyed = self.wire.received(data, cacheable, self._wait)
         key = None
-        if max(lens) > slot - 8:      # a second round for what did not fit (never cached)
-            displs = np.cumsum([0] + lens[:-1]).tolist()
-            big = np.empty(sum(lens), dtype=np.uint8)
-            self._wait(self.comm.Iallgatherv(np.frombuffer(data, dtype=np.uint8),
-                                             [big, lens, displs, MPI.BYTE]))
-            wire = [big[d:d + c] for d, c in zip(displs, lens)]
-        elif cacheable:
-            wire = key = tuple(bytes(mv[r * slot + 8:r * slot + 8 + lens[r]])
-                               for r in range(self.size))
+        if keyed:
+            key = wire
             hit = self.cycle_cache.get(key, self.neg.busy)
             if hit is not None and (hit[2] is None or self.codec.replay(hit[2])):
                 if hit[3] is not None:
@@ -440,8 +410,6 @@ class Engine:
                             resp.anns = {r: a._replace(name=name) for r, a in resp.anns.items()}
                 self._in_cycle_since = 0.0
                 return None, key, hit
-        else:
-            wire = [mv[r * slot + 8:r * slot + 8 + lens[r]] for r in range(self.size)]
         out = []
         decode = self.codec.decode
         self.codec.begin()
@@ -460,36 +428,11 @@ class Engine:
         return out, key, None
 
     def _wait(self, req: MPI.Request) -> None:
-        """Wait for a non-blocking MPI request without burning a core."""
-        if req.Test():
-            return
-        if self.waiters > 0:
-            # Someone is blocked on a result, so the cores are not needed for training:
-            # poll without sleeping for a moment (sleep-and-wake would cost tens of us).
-            t0 = time.perf_counter()
-            while time.perf_counter() - t0 < SPIN_S:
-                if req.Test():
-                    return
-        delay = MIN_SLEEP_S
-        last_tick = time.monotonic()
-        spun = self.waiters > 0
-        while not req.Test():
-            if not spun and self.waiters > 0:
-                # A user thread started waiting while this thread slept: from now on the
-                # rank has nothing else to run, so poll without sleeping for a moment
-                # (the backoff would otherwise answer the peers up to MAX_POLL_S late).
-                spun = True
-                t0 = time.perf_counter()
-                while time.perf_counter() - t0 < SPIN_S:
-                    if req.Test():
-                        return
-                continue
-            time.sleep(delay)
-            delay = min(delay * 2, MAX_POLL_S)
-            now = time.monotonic()
-            if now - last_tick > 0.25:
-                last_tick = now
-                self._stall_tick(now)
+        wait_request(req, self._someone_waits, self._stall_tick)
+
+    def _someone_waits(self) -> bool:
+        """A user thread is blocked on a result (then polling may spin)."""
+        return self.waiters > 0
 
     # ------------------------------------------------------------------ execution
     def _take(self, name: str) -> Optional[LocalReq]:
@@ -501,110 +444,10 @@ class Engine:
                 self._cancels = [c for c in self._cancels if c[0] != name]
         return self._inflight.pop(name, None)
 
-    def _backend(self, device: str):
-        if device == "cpu" and self.cfg.cpu_operations == "mpi":
-            return self.mpi_backend
-        if self._torch_backend is None:
-            from .backends.torch_dist import TorchBackend
-            self._torch_backend = TorchBackend(self.comm, self.tl)
-        return self._torch_backend
-
-    def _execute(self, responses: list, decided: float, plan: Optional[list]) -> bool:
-        """Carry out one cycle's decisions; ``plan`` is their fusion plan (None for one)."""
-        if len(responses) == 1:       # nothing to fuse
-            resp = responses[0]
-            if resp.kind == "allreduce" and resp.data is None and resp.error is None:
-                self._reduce([resp], decided)
-                return False
-            return self._execute_one(resp, decided)
-        stop = False
-        for item in plan:
-            if isinstance(item, Bucket):
-                self._reduce(item.responses, decided)
-            else:
-                stop = self._execute_one(item, decided) or stop
-        return stop
-
-    def _reduce(self, responses: list, decided: float) -> None:
-        """One allreduce call for ``responses`` (a fusion bucket, or a single request)."""
-        if len(responses) == 1 and not self._cancelled:
-            # a lone request (most blocking calls): no comprehensions, ~0.6 us less
-            req = self._inflight.pop(responses[0].name, None)
-            reqs = [req]
-            entries = [(req, req.ann if req is not None else responses[0].first)]
-        else:
-            if self._cancelled:
-                reqs = [self._take(resp.name) for resp in responses]
-            else:   # (the dict lookups alone, ~0.3 us a request less than _take)
-                pop = self._inflight.pop
-                reqs = [pop(resp.name, None) for resp in responses]
-            entries = [(req, req.ann if req is not None else resp.first)
-                       for req, resp in zip(reqs, responses)]
-        if self.tl.active:
-            self._queue_events(entries, decided)
-        try:
-            self._backend(entries[0][1].device).allreduce(entries, self.size - len(responses[0].joined))
-            err = None
-        except Exception as exc:  # noqa: BLE001
-            names = ", ".join(r.name for r in responses)
-            err = HvdError(f"allreduce of {names} failed on rank {self.rank}: {exc!r}")
-        for req in reqs:
-            if req is not None:
-                req.handle._set(req.handle._result, err)
-
-    def _queue_events(self, entries: list, decided: float) -> None:
-        if not self.tl.active:
-            return
-        t = now_us()
-        mono = time.monotonic()
-        for req, ann in entries:
-            if req is None:
-                continue
-            start = t - (mono - req.t_submit) * 1e6
-            self.tl.add(ann.name, NEGOTIATE, start, (decided - req.t_submit) * 1e6)
-            self.tl.add(ann.name, QUEUE, t - (mono - decided) * 1e6, (mono - decided) * 1e6)
-
-    def _execute_one(self, resp: Response, decided: float) -> bool:
-        if resp.kind == "shutdown":
-            return True
-        if resp.kind == "join":
-            with self._mu:
-                handle, self._join = self._join, None
-            if handle is not None:
-                handle._set(resp.last_joined)
-            return False
-        req = self._take(resp.name)
-        if resp.error is not None:
-            if req is not None:
-                req.handle._set(error=_ERRORS.get(resp.error_kind, HvdError)(resp.error))
-            return False
-        if self.tl.active:
-            self._queue_events([(req, resp.first)], decided)
-        if req is None and resp.kind != "allgather":
-            return False   # a joined rank has nothing to do for a barrier or an eager allreduce
-        try:
-            kind = resp.kind
-            device = (req.ann if req is not None else resp.first).device
-            if kind == "allreduce":   # sent eagerly: reduce locally, same order on every rank
-                self.mpi_backend.reduce_eager(req, resp, self.size - len(resp.joined))
-            elif kind == "barrier":
-                req.handle._result = None
-            elif kind == "allgather":
-                self._backend(device).allgather(req, resp.anns, self.size)
-            elif kind in ("broadcast", "broadcast_object"):
-                self._backend(device).broadcast(req, resp.anns)
-            elif kind == "alltoall":
-                self._backend(device).alltoall(req, resp.anns)
-            elif kind == "reducescatter":
-                self._backend(device).reducescatter(req, resp.anns)
-            else:
-                raise HvdError(f"unknown operation {kind!r}")
-            err = None
-        except Exception as exc:  # noqa: BLE001
-            err = HvdError(f"{resp.kind} of tensor '{resp.name}' failed on rank {self.rank}: {exc!r}")
-        if req is not None:
-            req.handle._set(req.handle._result, err)
-        return False
+    def _take_join(self) -> Optional[Handle]:
+        with self._mu:
+            handle, self._join = self._join, None
+        return handle
 
     # ------------------------------------------------------------------ stall check
     def _stall_tick(self, now: float) -> None:
@@ -632,19 +475,8 @@ class Engine:
                 for r in local:
                     self._inflight.pop(r.ann.name)
             for r in local:
-                r.handle._set(error=sc.local_error(r, now, since))
+                r.handle.resolve(error=sc.local_error(r, now, since))
 
 
 class _Stop(Exception):
     """An inline cycle carried out the agreed shutdown: the engine thread ends."""
-
-
-def _tight_timer_slack() -> None:
-    """Make this thread's short sleeps accurate: Linux rounds them up by the timer slack
-    (50 us by default), which would add that much latency to every poll while waiting."""
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-            ctypes.CDLL(None, use_errno=True).prctl(29, 1000, 0, 0, 0)  # PR_SET_TIMERSLACK, 1 us
-        except Exception:  # noqa: BLE001 - an optimisation only
-            pass

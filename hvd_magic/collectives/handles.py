@@ -1,10 +1,14 @@
 """What a collective call hands back (:class:`Handle`) and what the engine keeps of it
-(:class:`LocalReq`): one request on this rank, its tensor, and the way to its result."""
+(:class:`LocalReq`): one request on this rank, its tensor, and the way to its result.
+
+A handle knows the object that resolves it only through :class:`Resolver`: waiting is
+``resolver.wait_for(handle, timeout)``, and the resolver hands in the outcome with
+:meth:`Handle.resolve`."""
 from __future__ import annotations
 
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import numpy as np
 from _thread import allocate_lock as _allocate_lock
@@ -12,8 +16,12 @@ from _thread import allocate_lock as _allocate_lock
 from . import ops
 from .plan import Ann
 
-if TYPE_CHECKING:
-    from .engine import Engine
+
+class Resolver(Protocol):
+    """What a handle waits through (the engine)."""
+
+    def wait_for(self, handle: "Handle", timeout: Optional[float]) -> None:
+        """Return once ``handle`` is resolved; raise TimeoutError after ``timeout`` s."""
 
 
 class Handle:
@@ -21,7 +29,7 @@ class Handle:
 
     __slots__ = ("name", "kind", "_lock", "_done", "_result", "_error", "_post", "_engine", "extra")
 
-    def __init__(self, name: str, kind: str, engine: "Engine",
+    def __init__(self, name: str, kind: str, engine: Resolver,
                  post: Optional[Callable[[Any, Any], Any]] = None):
         self.name = name
         self.kind = kind
@@ -40,33 +48,22 @@ class Handle:
     def wait(self, timeout: Optional[float] = None) -> Any:
         """Block until done (interruptible), then return the result or raise the error."""
         if not self._done:
-            engine = self._engine
-            if engine.inline and engine._cycle_lock.acquire(False):
-                engine._run_inline()   # releases the cycle lock
-                if self._done:
-                    return self._outcome()
-            engine.urgent(ring=True)
-            deadline = None if timeout is None else time.monotonic() + timeout
-            lock = self._lock
-            engine.waiters += 1
-            try:
-                while not lock.acquire(True, 0.5 if deadline is None else
-                                       max(0.0, min(0.5, deadline - time.monotonic()))):
-                    if deadline is not None and time.monotonic() >= deadline:
-                        raise TimeoutError(f"{self.kind} of tensor '{self.name}' did not finish "
-                                           f"within {timeout} s")
-                    engine.raise_if_dead(self.name)
-            finally:
-                engine.waiters -= 1
-            lock.release()   # leave it open for any other waiter
-        return self._outcome()
-
-    def _outcome(self) -> Any:
+            self._engine.wait_for(self, timeout)
         if self._error is not None:
             raise self._error
         return self._post(self._result, self.extra) if self._post is not None else self._result
 
-    def _set(self, result: Any = None, error: Optional[BaseException] = None) -> None:
+    def block(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` s for :meth:`resolve` (no progress is made here);
+        True: the handle is resolved."""
+        lock = self._lock
+        if lock.acquire(True, timeout):
+            lock.release()   # leave it open for any other waiter
+            return True
+        return False
+
+    def resolve(self, result: Any = None, error: Optional[BaseException] = None) -> None:
+        """Hand in the outcome (the first call wins) and wake the waiters."""
         if self._done:
             return
         self._result, self._error = result, error
@@ -81,7 +78,7 @@ class Handle:
 class LocalReq:
     """One request on this rank: the agreed metadata plus this rank's tensor."""
 
-    __slots__ = ("ann", "tensor", "out", "handle", "t_submit", "_src")
+    __slots__ = ("ann", "tensor", "out", "handle", "t_submit", "result", "_src")
 
     def __init__(self, ann: Ann, tensor: Any, handle: Handle, out: Any = None):
         self.ann = ann
@@ -89,6 +86,7 @@ class LocalReq:
         self.out = out                 # in-place target (the user's tensor), or None
         self.handle = handle
         self.t_submit = time.monotonic()
+        self.result: Any = None        # the backend's result; the handle gets it (resolve)
         self._src: Optional[np.ndarray] = None
 
     def src(self) -> np.ndarray:
@@ -110,11 +108,12 @@ class LocalReq:
         return src if ok else None
 
     def set_array(self, arr: Any, dtype: str, rows: Any = None) -> None:
-        """Store the result (numpy carrying ``dtype``, or a torch tensor) in the user's type."""
+        """Store the result (numpy carrying ``dtype``, or a torch tensor) in the user's type
+        as ``result``."""
         self.handle.extra = rows
         if arr is self.out or (self.out is None and type(self.tensor) is np.ndarray
                                and type(arr) is np.ndarray):
-            self.handle._result = arr      # (reduced in place, or numpy in and out: as it is)
+            self.result = arr      # (reduced in place, or numpy in and out: as it is)
         elif self.out is not None:
             if ops.is_torch(self.out):
                 torch = sys.modules["torch"]
@@ -128,8 +127,8 @@ class LocalReq:
                     self.out.copy_(t.reshape(self.out.shape))
             elif arr is not self.out:
                 np.copyto(self.out, np.asarray(arr).reshape(self.out.shape), casting="unsafe")
-            self.handle._result = self.out
+            self.result = self.out
         elif isinstance(arr, np.ndarray):
-            self.handle._result = ops.wrap_like(arr, dtype, self.tensor)
+            self.result = ops.wrap_like(arr, dtype, self.tensor)
         else:
-            self.handle._result = arr
+            self.result = arr

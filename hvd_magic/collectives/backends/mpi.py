@@ -152,7 +152,7 @@ class MPIBackend:
                 if type(out) is np.ndarray and not half and out.flags.c_contiguous:
                     # in place into a numpy array: one copy
                     (out if out.ndim == 1 else out.reshape(-1))[...] = buf[off:end]
-                    req.handle._result = out
+                    req.result = out
                     off = end
                     continue
                 part = buf[off:end]

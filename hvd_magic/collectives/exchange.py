@@ -1,0 +1,82 @@
+"""The bytes of one negotiation cycle on the wire (:class:`SlotExchange`), and which small
+allreduce inputs ride in the message itself (:func:`eager_payloads`, HVD_MAGIC_EAGER=1).
+
+Every rank's message is allgathered through a fixed slot per rank: its length (8 bytes)
+and then the message where it fits; when one rank's does not, every rank's message goes
+again in a second round (an allgatherv of the exact lengths)."""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+from mpi4py import MPI
+
+SLOT = 2048            # bytes per rank in the first negotiation round (more: a second round)
+EAGER_SLOT = 8192      # the same with HVD_MAGIC_EAGER=1
+EAGER_MAX = 4096       # with HVD_MAGIC_EAGER=1, an allreduce input this small rides in the message
+
+
+def eager_payloads(new: list, slot: int, eager_max: int) -> list:
+    """(index, bytes) of the CPU allreduce inputs among the requests ``new`` that ride in
+    a message of ``slot`` bytes: each at most ``eager_max`` bytes, while room is left."""
+    payloads = []
+    # Room left in the fixed slot once the metadata (~100 bytes a request) is in.
+    budget = slot - 1024 - 100 * len(new)
+    for i, r in enumerate(new):
+        a = r.ann
+        if a.kind == "allreduce" and a.device == "cpu":
+            src = r.src()
+            if src.nbytes <= eager_max and src.nbytes <= budget:
+                budget -= src.nbytes
+                payloads.append((i, src.tobytes()))
+    return payloads
+
+
+class SlotExchange:
+    """Allgathers one message (bytes) per rank each cycle over ``comm``."""
+
+    def __init__(self, comm: MPI.Comm, slot: int):
+        self.comm = comm
+        self.size = comm.Get_size()
+        self.slot = slot
+        self._send = np.zeros(slot, dtype=np.uint8)
+        self._recv = np.zeros((self.size, slot), dtype=np.uint8)
+        self._send_mv = memoryview(self._send)
+        self._recv_mv = memoryview(self._recv.reshape(-1))
+        self._recv_lens = self._recv[:, :8].view("<u8")     # each rank's message length
+        self._sent_data = b""        # what the send buffer holds now (written again if not)
+
+    def post(self, data: bytes) -> MPI.Request:
+        """Start the first round for this rank's message ``data``."""
+        if data != self._sent_data:      # (a loop sends the same bytes every step)
+            self._load_send(data)
+        return self.comm.Iallgather(self._send, self._recv)
+
+    def _load_send(self, data: bytes) -> None:
+        """Put ``data`` in the send buffer: its length, then itself where it fits (what
+        does not fit goes in a second round, :meth:`received`)."""
+        n = len(data)
+        self._send_mv[:8] = n.to_bytes(8, "little")
+        if n <= self.slot - 8:
+            self._send_mv[8:8 + n] = data
+        self._sent_data = data
+
+    def received(self, data: bytes, as_bytes: bool,
+                 wait: Callable[[MPI.Request], None]) -> tuple:
+        """After the first round of ``post(data)`` completed: (every rank's message in
+        rank order, whether that is a tuple of bytes). Messages that all fit come as
+        bytes where ``as_bytes`` (a cache key), else as memoryviews of the receive buffer;
+        otherwise a second round runs (``wait`` waits for its request)."""
+        slot = self.slot
+        mv = self._recv_mv
+        lens = self._recv_lens.ravel().tolist()
+        if max(lens) > slot - 8:      # a second round for what did not fit
+            displs = np.cumsum([0] + lens[:-1]).tolist()
+            big = np.empty(sum(lens), dtype=np.uint8)
+            wait(self.comm.Iallgatherv(np.frombuffer(data, dtype=np.uint8),
+                                       [big, lens, displs, MPI.BYTE]))
+            return [big[d:d + c] for d, c in zip(displs, lens)], False
+        if as_bytes:
+            return tuple(bytes(mv[r * slot + 8:r * slot + 8 + lens[r]])
+                         for r in range(self.size)), True
+        return [mv[r * slot + 8:r * slot + 8 + lens[r]] for r in range(self.size)], False
