@@ -417,3 +417,34 @@ def test_allreduce_ann_is_the_namedtuple_it_stands_for():
     slow = Ann("g", "allreduce", "float32", (3, 4), int(ReduceOp.SUM), -1, 0.5, 2.0, "cpu")
     assert fast == slow and type(fast) is Ann and fast._asdict() == slow._asdict()
 
+
+
+def test_handle_resolved_once_through_its_resolver():
+    """A handle waits through its resolver's ``wait_for`` and takes the first ``resolve``;
+    handles.py knows nothing of the engine."""
+    import ast
+    import inspect
+
+    from hvd_magic.collectives import handles
+    from hvd_magic.collectives.handles import Handle
+
+    mods = {n.module for n in ast.walk(ast.parse(inspect.getsource(handles)))
+            if isinstance(n, ast.ImportFrom)}
+    assert not any(m and m.endswith("engine") for m in mods)
+
+    class Resolver:
+        calls = 0
+
+        def wait_for(self, handle, timeout):
+            Resolver.calls += 1
+            handle.resolve(41)
+            handle.resolve(0, RuntimeError("late"))   # ignored: the first call wins
+
+    h = Handle("x", "allreduce", Resolver(), post=lambda r, extra: r + 1)
+    assert not h.done() and not h.block(0.0)
+    assert h.wait() == 42 and h.done() and h.block(0.0) and Resolver.calls == 1
+    assert h.wait() == 42 and Resolver.calls == 1     # done: the resolver is not asked again
+    bad = Handle("y", "barrier", Resolver())
+    bad.resolve(error=ValueError("boom"))
+    with pytest.raises(ValueError, match="boom"):
+        bad.wait()
