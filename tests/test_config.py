@@ -47,3 +47,10 @@ def test_values_are_typed_and_bad_ones_name_the_variable():
                             ("HOROVOD_CPU_OPERATIONS", "nccl", "use one of mpi, gloo")):
         with pytest.raises(ValueError, match=f"{name}='{bad}': {says}"):
             config.get(name, {name: bad})
+
+
+def test_the_code_reads_declared_variables_only_through_config():
+    direct = re.compile(r"""environ\.get\(\s*["'](?:HOROVOD|HVD_MAGIC)_""")
+    readers = [p.relative_to(ROOT).as_posix() for p in (ROOT / "hvd_magic").rglob("*.py")
+               if direct.search(p.read_text()) and p != ROOT / "hvd_magic" / "config.py"]
+    assert not readers, f"read these through hvd_magic.config.get: {readers}"

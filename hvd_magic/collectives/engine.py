@@ -16,7 +16,6 @@ Costs when idle and when waiting:
 from __future__ import annotations
 
 import marshal
-import os
 import sys
 import threading
 import time
@@ -26,6 +25,7 @@ from mpi4py import MPI
 from _thread import allocate_lock as _allocate_lock
 from collections import deque
 
+from .. import config as env
 from .config import Config
 from .errors import HvdError, ShutdownError
 from .exchange import EAGER_MAX, EAGER_SLOT, SLOT, SlotExchange, eager_payloads
@@ -76,13 +76,13 @@ class Engine:
         self._px: Optional[tuple] = None            # posted exchange: (MPI request, message)
         self._inline_exc: Optional[BaseException] = None
         self._ended = False
-        self.inline = os.environ.get("HVD_MAGIC_INLINE", "1") != "0"
+        self.inline = env.get("HVD_MAGIC_INLINE")
         # HVD_MAGIC_EAGER=1: small allreduces ride in the negotiation message (one round trip
         # instead of two). Off by default: since waiting callers run the cycle themselves, the
         # second round (~1 us of MPI for 4 KiB) costs less than the larger slot every cycle
         # pays (8 KiB Iallgather 5.6 us vs 2 KiB 1.8 us) plus the payload handling in Python.
         self._eager_max = EAGER_MAX if (self.size <= 16 and config.cpu_operations == "mpi"
-                                        and os.environ.get("HVD_MAGIC_EAGER", "0") == "1") else 0
+                                        and env.get("HVD_MAGIC_EAGER")) else 0
         self._slot = EAGER_SLOT if self._eager_max else SLOT
         self.wire = SlotExchange(comm, self._slot)
         self.stall = StallCheck(config.stall_check_s, config.stall_shutdown_s, self.rank)
