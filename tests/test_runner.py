@@ -431,3 +431,14 @@ def test_make_demo_prints_the_quickstart_notebooks_results():
     out = proc.stdout
     assert "[0] rank 0 of 2 -> [0.5 0.5 0.5 0.5]" in out and "[1] rank 1 of 2" in out
     assert "[1] step 199 loss" in out and "hvd: pool stopped" in out
+
+
+def test_one_machine_holds_four_ranks_per_core_unless_oversubscribed():
+    from hvd_magic.runner.plan import validate
+    with pytest.raises(ValueError, match=r"-np 9 is more than this machine holds: at most 8 "
+                                         r"ranks \(4 per core x 2 cores\).*--oversubscribe"):
+        validate(LaunchArgs(np=9, command=["python", "x.py"], cores=2))
+    validate(LaunchArgs(np=8, command=["python", "x.py"], cores=2))
+    validate(LaunchArgs(np=9, command=["python", "x.py"], cores=2, oversubscribe=True))
+    with pytest.raises(ValueError, match="only 2 slots.*--oversubscribe"):
+        validate(LaunchArgs(np=3, command=["x"], hosts=parse_hosts("a:1,b:1"), cores=2))
