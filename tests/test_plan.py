@@ -1,12 +1,14 @@
-"""Pure unit tests of hvd_magic.collectives.plan: the replicated negotiation table and the
-fusion planner. No MPI, no threads."""
+"""Pure unit tests of the collectives' planning: the replicated negotiation table
+(hvd_magic.collectives.negotiation), the announcement codec and cycle cache (.codec) and the
+fusion planner (.fusion). No MPI, no threads."""
 from __future__ import annotations
 
 import pytest
 
+from hvd_magic.collectives.codec import AnnCodec, CycleCache
+from hvd_magic.collectives.fusion import Bucket, nbytes, plan_fusion
+from hvd_magic.collectives.negotiation import Ann, Negotiator, RankMsg, Response, check_agreement
 from hvd_magic.collectives.ops import ReduceOp
-from hvd_magic.collectives.plan import (Ann, AnnCodec, Bucket, CycleCache, Negotiator, RankMsg, Response, check_agreement,
-                                        nbytes, plan_fusion)
 
 
 def ar(name, shape=(4,), dtype="float32", op=ReduceOp.AVERAGE, pre=1.0, post=1.0, device="cpu"):
@@ -267,7 +269,7 @@ def test_half_types_count_float32_bytes():
 
 
 def test_only_a_rank_that_waits_for_others_keeps_negotiating():
-    from hvd_magic.collectives.plan import Ann, Negotiator, RankMsg
+    from hvd_magic.collectives.negotiation import Ann, Negotiator, RankMsg
     neg = Negotiator(2)
     a = Ann("g", "allreduce", "float32", (2,))
     neg.step([RankMsg(anns=(a,)), RankMsg()])
@@ -412,7 +414,7 @@ def test_cycle_cache_keeps_only_clean_cycles_and_answers_only_when_nothing_is_pe
 
 
 def test_allreduce_ann_is_the_namedtuple_it_stands_for():
-    from hvd_magic.collectives.plan import allreduce_ann
+    from hvd_magic.collectives.negotiation import allreduce_ann
     fast = allreduce_ann("g", "float32", (3, 4), int(ReduceOp.SUM), 0.5, 2.0, "cpu")
     slow = Ann("g", "allreduce", "float32", (3, 4), int(ReduceOp.SUM), -1, 0.5, 2.0, "cpu")
     assert fast == slow and type(fast) is Ann and fast._asdict() == slow._asdict()

@@ -19,7 +19,7 @@ import numpy as np
 from . import ops
 from .handles import Handle
 from .ops import Average
-from .plan import Ann, allreduce_ann
+from .negotiation import Ann, allreduce_ann
 from .state import _require, engine
 from .state import _state as _st
 

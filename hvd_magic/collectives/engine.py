@@ -3,7 +3,7 @@
 User threads call :meth:`Engine.submit`, which queues a request and returns a
 :class:`Handle`. The engine thread negotiates with the other ranks in cycles: one
 non-blocking allgather of what each rank has newly submitted. Every rank feeds the
-same messages to the same :class:`~.plan.Negotiator`, so all ranks decide the same
+same messages to the same :class:`~.negotiation.Negotiator`, so all ranks decide the same
 ready requests in the same order, then carry them out (fused where possible).
 
 Costs when idle and when waiting:
@@ -26,13 +26,15 @@ from _thread import allocate_lock as _allocate_lock
 from collections import deque
 
 from .. import config as env
+from .codec import AnnCodec, CycleCache
 from .config import Config
 from .errors import HvdError, ShutdownError
 from .exchange import EAGER_MAX, EAGER_SLOT, SLOT, SlotExchange, eager_payloads
 from .execute import Executor
+from .fusion import plan_fusion
 from .handles import Handle, LocalReq
 from .interrupts import defer_sigint, restore_sigint
-from .plan import _tuple_new, Ann, AnnCodec, CycleCache, Negotiator, RankMsg, plan_fusion
+from .negotiation import _tuple_new, Ann, Negotiator, RankMsg
 from .stall import StallCheck
 from .timeline import CYCLE, Timeline, TimelineWriter, now_us
 from .waiting import INLINE_SPIN_S, MAX_POLL_S, MIN_SLEEP_S, tight_timer_slack, wait_request

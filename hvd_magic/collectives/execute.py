@@ -15,8 +15,9 @@ from mpi4py import MPI
 
 from .config import Config
 from .errors import HvdError, JoinedRankError, ShutdownError, StallError, TensorMismatchError
+from .fusion import Bucket
 from .handles import Handle, LocalReq
-from .plan import Bucket, Response
+from .negotiation import Response
 from .timeline import NEGOTIATE, QUEUE, Timeline, now_us
 
 _ERRORS = {"mismatch": TensorMismatchError, "stall": StallError,

@@ -14,7 +14,7 @@ import numpy as np
 from _thread import allocate_lock as _allocate_lock
 
 from . import ops
-from .plan import Ann
+from .negotiation import Ann
 
 
 class Resolver(Protocol):

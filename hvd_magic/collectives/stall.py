@@ -13,7 +13,7 @@ import sys
 from typing import Iterable, Optional
 
 from .errors import StallError
-from .plan import StallInfo
+from .negotiation import StallInfo
 
 
 class StallCheck:
