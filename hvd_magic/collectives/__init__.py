@@ -5,11 +5,11 @@ torch tensors. ``import hvd_magic.collectives as hvd``; the framework faces
 from .api import (allgather, allgather_async, allgather_object, allreduce, allreduce_,
                   allreduce_async, allreduce_async_, alltoall, alltoall_async, barrier,
                   broadcast, broadcast_, broadcast_async, broadcast_async_, broadcast_object,
-                  grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
-                  grouped_allreduce_async_, GroupHandle, join, pending,
-                  poll, reducescatter, reducescatter_async, start_timeline, stop_timeline,
-                  subscribe, synchronize)
-from .handles import Handle
+                  join, pending, poll, reducescatter, reducescatter_async, start_timeline,
+                  stop_timeline, subscribe, synchronize)
+from .grouped import (grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
+                      grouped_allreduce_async_)
+from .handles import GroupHandle, Handle
 from .errors import (HorovodInternalError, HvdError, JoinedRankError, ShutdownError, StallError,
                      TensorMismatchError)
 from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum

@@ -8,31 +8,24 @@ not given, so unnamed calls must come in the same order on every rank).
 from __future__ import annotations
 
 import itertools
-import math
-import operator
 import pickle
 import threading
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import numpy as np
 
 from . import ops
-from .handles import Handle
+from .handles import GroupHandle, Handle
 from .ops import Average
 from .negotiation import Ann, allreduce_ann
 from .state import _require, engine
 from .state import _state as _st
 
 _counters: dict[str, itertools.count] = {}
-_DTYPE_OF = operator.attrgetter("dtype")
-_SHAPE_OF = operator.attrgetter("shape")
-_SIZE_OF = operator.attrgetter("size")
-_NDIM_OF = operator.attrgetter("ndim")
-_NUMEL_OF = operator.methodcaller("numel")     # torch tensors
 _counter_lock = threading.Lock()
 
 
-def _name(kind: str, name: Optional[str]) -> str:
+def request_name(kind: str, name: Optional[str]) -> str:
     if name is not None:
         if not isinstance(name, str) or not name:
             raise TypeError(f"name must be a non-empty string, got {name!r}")
@@ -47,7 +40,7 @@ def _name(kind: str, name: Optional[str]) -> str:
 _NP_NAMES = ops._NP_NAMES
 
 
-def _check_tensor(tensor: Any, what: str) -> tuple:
+def check_tensor(tensor: Any, what: str) -> tuple:
     if type(tensor) is np.ndarray:          # the common case, without the torch checks
         name = _NP_NAMES.get(tensor.dtype)
         if name is not None:
@@ -57,7 +50,7 @@ def _check_tensor(tensor: Any, what: str) -> tuple:
     return ops.dtype_name(tensor), tuple(tensor.shape), ops.device_of(tensor)
 
 
-def _factor(x: Any, label: str) -> float:
+def scale_factor(x: Any, label: str) -> float:
     if type(x) is float:
         return x
     try:
@@ -71,20 +64,20 @@ def _factor(x: Any, label: str) -> float:
 def allreduce_async(tensor: Any, name: Optional[str] = None, op: Any = Average,
                     prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
     """Start an allreduce; see :func:`allreduce`."""
-    return _allreduce_async(tensor, None, name, op, prescale_factor, postscale_factor)
+    return submit_allreduce(tensor, None, name, op, prescale_factor, postscale_factor)
 
 
 def allreduce_async_(tensor: Any, name: Optional[str] = None, op: Any = Average,
                      prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
     """In-place :func:`allreduce_async`: the result is written into ``tensor``."""
-    return _allreduce_async(tensor, tensor, name, op, prescale_factor, postscale_factor)
+    return submit_allreduce(tensor, tensor, name, op, prescale_factor, postscale_factor)
 
 
 _OP_INT = {o: int(o) for o in ops.ReduceOp}
 _PLAIN_OPS = frozenset(o for o in ops.ReduceOp if o != ops.Adasum)
 
 
-def _allreduce_async(tensor, out, name, op, prescale, postscale, urgent=False) -> Handle:
+def submit_allreduce(tensor, out, name, op, prescale, postscale, urgent=False) -> Handle:
     if (type(tensor) is np.ndarray and (name is None or type(name) is str and name)
             and type(op) is ops.ReduceOp and op in _PLAIN_OPS and type(prescale) is float
             and type(postscale) is float):
@@ -93,15 +86,15 @@ def _allreduce_async(tensor, out, name, op, prescale, postscale, urgent=False) -
         dtype = _NP_NAMES.get(tensor.dtype)
         e = _st.engine
         if dtype is not None and dtype != "bool" and e is not None:
-            return e.submit(allreduce_ann(name if name is not None else _name("allreduce", None),
+            return e.submit(allreduce_ann(name if name is not None else request_name("allreduce", None),
                                           dtype, tensor.shape, _OP_INT[op], prescale, postscale,
                                           "cpu"),
                             tensor, out, urgent=urgent)
-    dtype, shape, device = _check_tensor(tensor, "allreduce")
+    dtype, shape, device = check_tensor(tensor, "allreduce")
     op = ops.to_op(op)
     ops.check_op_dtype(op, dtype)
-    ann = allreduce_ann(_name("allreduce", name), dtype, shape, int(op),
-                        _factor(prescale, "prescale_factor"), _factor(postscale, "postscale_factor"),
+    ann = allreduce_ann(request_name("allreduce", name), dtype, shape, int(op),
+                        scale_factor(prescale, "prescale_factor"), scale_factor(postscale, "postscale_factor"),
                         device)
     return engine().submit(ann, tensor, out, urgent=urgent)
 
@@ -120,165 +113,23 @@ def allreduce(tensor: Any, name: Optional[str] = None, op: Any = Average,
         rank 1: allreduce(np.array([3., 4.]))            -> [2., 3.]
         rank 0: allreduce(np.array([1., 2.]), op=hvd.Sum) -> [4., 6.]
     """
-    return _allreduce_async(tensor, None, name, op, prescale_factor, postscale_factor, True).wait()
+    return submit_allreduce(tensor, None, name, op, prescale_factor, postscale_factor, True).wait()
 
 
 def allreduce_(tensor: Any, name: Optional[str] = None, op: Any = Average,
                prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
     """In-place :func:`allreduce`: ``tensor`` holds the result and is returned."""
-    return _allreduce_async(tensor, tensor, name, op, prescale_factor, postscale_factor, True).wait()
-
-
-class GroupHandle:
-    """Handle of a grouped allreduce: ``synchronize`` returns the list of results."""
-
-    def __init__(self, parts: list, count: int):
-        self._parts = parts          # [(Handle, [indices into the user's list])]
-        self._count = count
-
-    def done(self) -> bool:
-        return all(h.done() for h, _ in self._parts)
-
-    def wait(self, timeout: Optional[float] = None) -> list:
-        if len(self._parts) == 1 and len(self._parts[0][1]) == self._count:
-            return self._parts[0][0].wait(timeout)     # one part, already in the user's order
-        out: list = [None] * self._count
-        for handle, idxs in self._parts:
-            for i, piece in zip(idxs, handle.wait(timeout)):
-                out[i] = piece
-        return out
-
-
-def _grouped(tensors: Sequence[Any], name: Optional[str], op: Any, prescale: float,
-             postscale: float, inplace: bool, urgent: bool) -> GroupHandle:
-    """Pack each (dtype, framework) group into one flat buffer negotiated and reduced as one
-    request, then hand back views (or copy into the inputs when in place)."""
-    if not isinstance(tensors, (list, tuple)):
-        raise TypeError("grouped_allreduce takes a list of tensors")
-    base = _name("grouped_allreduce", name)
-    groups: dict[tuple, list[int]] = {}
-    first = tensors[0] if tensors else None
-    if (type(first) is np.ndarray and set(map(type, tensors)) == {np.ndarray}
-            and len(set(map(_DTYPE_OF, tensors))) == 1):
-        # the common case (numpy arrays of one dtype): one check, not one per tensor
-        dtype, _, _ = _check_tensor(first, "grouped_allreduce")
-        groups[(dtype, "cpu", False)] = list(range(len(tensors)))
-    else:
-        for i, t in enumerate(tensors):
-            dtype, _, device = _check_tensor(t, "grouped_allreduce")
-            groups.setdefault((dtype, device, ops.is_torch(t)), []).append(i)
-    parts = []
-    for (dtype, device, is_t), idxs in groups.items():
-        label = base if len(groups) == 1 else f"{base}.{dtype}"
-        if is_t and (dtype, device, False) in groups:
-            label += ".torch"   # numpy and torch tensors of one dtype: two requests, two names
-        if device != "cpu":   # device tensors: one request each, fused by the engine
-            for i in idxs:
-                t = tensors[i]
-                h = _allreduce_async(t, t if inplace else None, f"{label}.{i}", op, prescale,
-                                     postscale, urgent)
-                parts.append((_Single(h), [i]))
-            continue
-        members = list(tensors) if len(idxs) == len(tensors) else [tensors[i] for i in idxs]
-        # (map over C-level getters: ~15 us less than Python loops for 100 tensors; the
-        # shapes only when some input is not 1-D: ~5 us)
-        flat_1d = set(map(_NDIM_OF, members)) == {1}
-        shapes = None if flat_1d else list(map(_SHAPE_OF, members))
-        if not is_t:
-            # axis=None flattens each input inside numpy (no reshape call per tensor)
-            flat = np.concatenate(members, axis=None)
-            if not flat.dtype.isnative:
-                flat = flat.astype(flat.dtype.newbyteorder("="))
-            ends = list(itertools.accumulate(map(_SIZE_OF, members)))
-        else:
-            flat = np.concatenate([ops.as_numpy(t).reshape(-1) for t in members])
-            ends = list(itertools.accumulate(map(_NUMEL_OF, members)))
-        bounds = list(zip([0] + ends[:-1], ends))
-
-        def split(result: Any, _extra: Any, members=members, shapes=shapes, dtype=dtype,
-                  is_t=is_t, bounds=bounds, flat_1d=flat_1d) -> list:
-            if not is_t and not inplace:
-                if flat_1d:    # the usual gradients: the slices already have their shapes
-                    return [result[a:b] for a, b in bounds]
-                return [result[a:b].reshape(sh) for (a, b), sh in zip(bounds, shapes)]
-            if shapes is None:
-                shapes = list(map(_SHAPE_OF, members))
-            pieces, off = [], 0
-            for t, shape in zip(members, shapes):
-                n = math.prod(shape)
-                piece = result[off:off + n].reshape(shape)
-                off += n
-                if inplace:
-                    if ops.is_torch(t):
-                        t.copy_(ops.wrap_like(np.ascontiguousarray(piece).reshape(shape), dtype, t))
-                    else:
-                        np.copyto(t, piece, casting="unsafe")
-                    pieces.append(t)
-                else:
-                    pieces.append(ops.wrap_like(piece, dtype, t))
-            return pieces
-
-        op_ = ops.to_op(op)
-        ops.check_op_dtype(op_, dtype)
-        ann = Ann(label, "allreduce", dtype, flat.shape, int(op_), -1,
-                  _factor(prescale, "prescale_factor"), _factor(postscale, "postscale_factor"), device)
-        # ``flat`` is our own buffer: reduce it in place (no result allocation, no copy)
-        parts.append((engine().submit(ann, flat, out=flat, post=split, urgent=urgent), idxs))
-    return GroupHandle(parts, len(tensors))
-
-
-class _Single:
-    """Adapts a one-tensor handle to the list protocol of GroupHandle parts."""
-
-    def __init__(self, handle: Handle):
-        self.h = handle
-
-    def done(self) -> bool:
-        return self.h.done()
-
-    def wait(self, timeout: Optional[float] = None) -> list:
-        return [self.h.wait(timeout)]
-
-
-def grouped_allreduce_async(tensors: Sequence[Any], name: Optional[str] = None, op: Any = Average,
-                            prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> GroupHandle:
-    """Start a grouped allreduce; ``synchronize(handle)`` returns the list of results."""
-    return _grouped(tensors, name, op, prescale_factor, postscale_factor, False, False)
-
-
-def grouped_allreduce_async_(tensors: Sequence[Any], name: Optional[str] = None, op: Any = Average,
-                             prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> GroupHandle:
-    """In-place :func:`grouped_allreduce_async`."""
-    return _grouped(tensors, name, op, prescale_factor, postscale_factor, True, False)
-
-
-def grouped_allreduce(tensors: Sequence[Any], name: Optional[str] = None, op: Any = Average,
-                      prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
-    """:func:`allreduce` of each tensor in the list, negotiated and reduced together: tensors
-    of one dtype travel as one flat buffer (one request, one reduction).
-
-    Example, 2 ranks, op=Sum::
-
-        rank 0: grouped_allreduce([np.ones(2), np.zeros(1)], op=hvd.Sum)  -> [[2., 2.], [1.]]
-        rank 1: grouped_allreduce([np.ones(2), np.ones(1)], op=hvd.Sum)   -> [[2., 2.], [1.]]
-    """
-    return _grouped(tensors, name, op, prescale_factor, postscale_factor, False, True).wait()
-
-
-def grouped_allreduce_(tensors: Sequence[Any], name: Optional[str] = None, op: Any = Average,
-                       prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
-    """In-place :func:`grouped_allreduce`: each tensor holds its result."""
-    return _grouped(tensors, name, op, prescale_factor, postscale_factor, True, True).wait()
+    return submit_allreduce(tensor, tensor, name, op, prescale_factor, postscale_factor, True).wait()
 
 
 # ---------------------------------------------------------------- allgather
 
 def allgather_async(tensor: Any, name: Optional[str] = None) -> Handle:
-    dtype, shape, device = _check_tensor(tensor, "allgather")
+    dtype, shape, device = check_tensor(tensor, "allgather")
     if shape == ():
         tensor = tensor.reshape(1)
         shape = (1,)
-    return engine().submit(Ann(_name("allgather", name), "allgather", dtype, shape, device=device), tensor)
+    return engine().submit(Ann(request_name("allgather", name), "allgather", dtype, shape, device=device), tensor)
 
 
 def allgather(tensor: Any, name: Optional[str] = None) -> Any:
@@ -294,7 +145,7 @@ def allgather(tensor: Any, name: Optional[str] = None) -> Any:
 
 # ---------------------------------------------------------------- broadcast
 
-def _check_root(root_rank: Any) -> int:
+def check_root(root_rank: Any) -> int:
     if isinstance(root_rank, bool) or not isinstance(root_rank, (int, np.integer)):
         raise TypeError(f"root_rank must be an int, got {root_rank!r}")
     n = _require().size
@@ -304,14 +155,14 @@ def _check_root(root_rank: Any) -> int:
 
 
 def broadcast_async(tensor: Any, root_rank: int, name: Optional[str] = None) -> Handle:
-    dtype, shape, device = _check_tensor(tensor, "broadcast")
-    ann = Ann(_name("broadcast", name), "broadcast", dtype, shape, root=_check_root(root_rank), device=device)
+    dtype, shape, device = check_tensor(tensor, "broadcast")
+    ann = Ann(request_name("broadcast", name), "broadcast", dtype, shape, root=check_root(root_rank), device=device)
     return engine().submit(ann, tensor)
 
 
 def broadcast_async_(tensor: Any, root_rank: int, name: Optional[str] = None) -> Handle:
-    dtype, shape, device = _check_tensor(tensor, "broadcast")
-    ann = Ann(_name("broadcast", name), "broadcast", dtype, shape, root=_check_root(root_rank), device=device)
+    dtype, shape, device = check_tensor(tensor, "broadcast")
+    ann = Ann(request_name("broadcast", name), "broadcast", dtype, shape, root=check_root(root_rank), device=device)
     return engine().submit(ann, tensor, out=tensor)
 
 
@@ -334,7 +185,7 @@ def broadcast_(tensor: Any, root_rank: int, name: Optional[str] = None) -> Any:
 # ---------------------------------------------------------------- alltoall
 
 def alltoall_async(tensor: Any, splits: Any = None, name: Optional[str] = None) -> Handle:
-    dtype, shape, device = _check_tensor(tensor, "alltoall")
+    dtype, shape, device = check_tensor(tensor, "alltoall")
     n = _require().size
     if shape == ():
         raise ValueError("alltoall needs a tensor with at least one dimension")
@@ -357,7 +208,7 @@ def alltoall_async(tensor: Any, splits: Any = None, name: Optional[str] = None) 
         recv = np.asarray(received, dtype=np.int32)
         return result, ops.wrap_like(recv, "int32", like) if ops.is_torch(like) else recv
 
-    ann = Ann(_name("alltoall", name), "alltoall", dtype, shape, device=device, splits=sp)
+    ann = Ann(request_name("alltoall", name), "alltoall", dtype, shape, device=device, splits=sp)
     handle = engine().submit(ann, tensor, post=post)
     return handle
 
@@ -379,13 +230,13 @@ def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None) -> Any
 
 def reducescatter_async(tensor: Any, name: Optional[str] = None, op: Any = Average,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
-    dtype, shape, device = _check_tensor(tensor, "reducescatter")
+    dtype, shape, device = check_tensor(tensor, "reducescatter")
     if shape == ():
         raise ValueError("reducescatter needs a tensor with at least one dimension")
     op = ops.to_op(op)
     ops.check_op_dtype(op, dtype)
-    ann = Ann(_name("reducescatter", name), "reducescatter", dtype, shape, int(op), -1,
-              _factor(prescale_factor, "prescale_factor"), _factor(postscale_factor, "postscale_factor"),
+    ann = Ann(request_name("reducescatter", name), "reducescatter", dtype, shape, int(op), -1,
+              scale_factor(prescale_factor, "prescale_factor"), scale_factor(postscale_factor, "postscale_factor"),
               device)
     return engine().submit(ann, tensor)
 
@@ -407,7 +258,7 @@ def reducescatter(tensor: Any, name: Optional[str] = None, op: Any = Average,
 
 def barrier(name: Optional[str] = None) -> None:
     """Return once every rank has called barrier (ranks that joined count as arrived)."""
-    engine().submit(Ann(_name("barrier", name), "barrier"), None).wait()
+    engine().submit(Ann(request_name("barrier", name), "barrier"), None).wait()
 
 
 def join() -> int:
@@ -427,13 +278,13 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None) -
         rank 1: broadcast_object(None)         -> {"lr": 0.1}
     """
     st = _require()
-    root = _check_root(root_rank)
+    root = check_root(root_rank)
     if st.rank == root:
         data = np.frombuffer(_dumps(obj), dtype=np.uint8)
         shape: Optional[tuple] = data.shape
     else:
         data, shape = np.empty(0, dtype=np.uint8), None
-    ann = Ann(_name("broadcast_object", name), "broadcast_object", "uint8", shape, root=root, obj=True)
+    ann = Ann(request_name("broadcast_object", name), "broadcast_object", "uint8", shape, root=root, obj=True)
     raw = engine().submit(ann, data).wait()
     return obj if st.rank == root else pickle.loads(raw.tobytes())
 
@@ -447,7 +298,7 @@ def allgather_object(obj: Any, name: Optional[str] = None) -> list:
         rank 1: allgather_object("b")  -> ["a", "b"]
     """
     data = np.frombuffer(_dumps(obj), dtype=np.uint8)
-    ann = Ann(_name("allgather_object", name), "allgather", "uint8", data.shape)
+    ann = Ann(request_name("allgather_object", name), "allgather", "uint8", data.shape)
     return engine().submit(ann, data, post=_split_objects).wait()
 
 
@@ -503,7 +354,7 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     from .timeline import TimelineWriter
     st = _require()
     eng = engine()
-    barrier(name=_name("timeline.start", None))
+    barrier(name=request_name("timeline.start", None))
     if st.rank == 0:
         if eng.writer is not None:
             eng.writer.close()
@@ -516,7 +367,7 @@ def stop_timeline() -> None:
     """Stop recording and close the timeline file (valid JSON from then on). Call on every rank."""
     st = _require()
     eng = engine()
-    barrier(name=_name("timeline.stop", None))   # carries every rank's remaining events to rank 0
+    barrier(name=request_name("timeline.stop", None))   # carries every rank's remaining events to rank 0
     st.timeline.recording = False
     if eng.writer is not None:
         eng.writer.close()

@@ -132,3 +132,23 @@ class LocalReq:
             self.result = ops.wrap_like(arr, dtype, self.tensor)
         else:
             self.result = arr
+
+
+class GroupHandle:
+    """Handle of a grouped allreduce: ``synchronize`` returns the list of results."""
+
+    def __init__(self, parts: list, count: int):
+        self._parts = parts          # [(Handle, [indices into the user's list])]
+        self._count = count
+
+    def done(self) -> bool:
+        return all(h.done() for h, _ in self._parts)
+
+    def wait(self, timeout: Optional[float] = None) -> list:
+        if len(self._parts) == 1 and len(self._parts[0][1]) == self._count:
+            return self._parts[0][0].wait(timeout)     # one part, already in the user's order
+        out: list = [None] * self._count
+        for handle, idxs in self._parts:
+            for i, piece in zip(idxs, handle.wait(timeout)):
+                out[i] = piece
+        return out

@@ -31,7 +31,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     def __init__(self, root_rank: int = 0, device: str = ""):
         super().__init__()
-        C.api._check_root(root_rank)
+        C.api.check_root(root_rank)
         self.root_rank = root_rank
         self.broadcast_done = False
         self._optimizer_done = False

@@ -70,7 +70,7 @@ def broadcast_variables(variables: Iterable[Any], root_rank: int = 0) -> Any:
         rank 1: w = [[0.7, 0.3]]  ->  [[0.1, 0.2]]
     """
     vs = _variables(variables)
-    C.api._check_root(root_rank)
+    C.api.check_root(root_rank)
     if not vs:
         return None
     _counter[0] += 1

@@ -252,7 +252,7 @@ def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None) -> Any:
     x = _tensor(tensor, "broadcast")
     if isinstance(x, tf.IndexedSlices):
         x = tf.convert_to_tensor(x)
-    C.api._check_root(root_rank)
+    C.api.check_root(root_rank)
 
     @tf.custom_gradient
     def f(t: Any) -> Any:

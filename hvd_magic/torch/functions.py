@@ -60,7 +60,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"broadcast_optimizer_state takes a torch.optim.Optimizer, "
                         f"not {type(optimizer).__name__}")
-    root = C.api._check_root(root_rank)
+    root = C.api.check_root(root_rank)
     sd = optimizer.state_dict()
     me = C.rank()
     if me == root:

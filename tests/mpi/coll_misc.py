@@ -220,7 +220,7 @@ def _():
     # rank's message is not the kept one, and the usual way pairs the calls
     from hvd_magic.collectives import api
     for step in range(2):
-        api._name("allreduce", None)
+        api.request_name("allreduce", None)
         y = hvd.allreduce(np.full(6, float(r * step)))
         check(np.allclose(y, step * (n - 1) / 2), f"unnamed after a skipped number {step}: {y[:2]}")
     # rank 0 repeats fast.a, the others send another shape: an error on every rank, twice
