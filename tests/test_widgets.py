@@ -316,7 +316,7 @@ def test_background_renderer_drains_ticks_and_lets_go():
     import sys
     import time
 
-    from hvd_magic.widgets.panel import _Renderer
+    from hvd_magic.widgets.render import _Renderer
 
     class Panel:
         def __init__(self):
@@ -368,7 +368,7 @@ def test_live_panels_lower_the_kernels_autogroup_priority():
     if not os.path.exists("/proc/self/autogroup"):
         pytest.skip("no scheduler autogroups on this system")
     code = ("import time\n"
-            "from hvd_magic.widgets.panel import _Renderer\n"
+            "from hvd_magic.widgets.render import _Renderer\n"
             "class P:\n"
             "    feed = None\n"
             "    def tick(self): pass\n"
@@ -397,7 +397,7 @@ def test_live_panels_lower_the_kernels_autogroup_priority():
 
 
 def test_lower_autogroup_priority_only_raises_and_reports(tmp_path):
-    from hvd_magic.widgets.panel import lower_autogroup_priority
+    from hvd_magic.widgets.render import lower_autogroup_priority
     f = tmp_path / "autogroup"
     f.write_text("/autogroup-12 nice 5\n")
     assert lower_autogroup_priority(3, str(f)) == 5          # never raises priority

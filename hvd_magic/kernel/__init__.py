@@ -10,7 +10,8 @@ from .output import OutputSink, PoolCellError, PoolCellInterrupted, PoolCellTime
     RankDiedError, RankFailure, TextSink
 from .plan import PoolConfig, PoolPlan, plan_pool
 from .cells import CellOutcome
-from .pool import Pool, PoolError
+from .output import PoolError
+from .pool import Pool
 
 __all__ = ["CellOutcome", "OutputSink", "Pool", "PoolCellError", "PoolCellInterrupted",
            "PoolCellTimeout", "PoolConfig", "PoolError", "PoolManager", "PoolPlan",

@@ -209,3 +209,11 @@ class PoolCellInterrupted(KeyboardInterrupt):
 
     def _render_traceback_(self) -> List[str]:
         return [f"KeyboardInterrupt: {self.note}"]
+
+
+class PoolError(RuntimeError):
+    """The pool could not start, or is gone. IPython shows the message (with the logs'
+    tails), not this module's frames."""
+
+    def _render_traceback_(self) -> List[str]:
+        return [f"PoolError: {self}"]

@@ -22,11 +22,11 @@ from typing import Any, Dict, List, Optional, Sequence
 from .. import config
 from .cells import CellOutcome, Pump, clean_stale_dirs, notify, rank_done, rank_futures, \
     short_tmp
-from .output import OutputSink, PoolCellError, PoolCellInterrupted, PoolCellTimeout, \
+from .output import OutputSink, PoolCellError, PoolCellInterrupted, PoolCellTimeout, PoolError, \
     RankDiedError, RankFailure, ranks_text
 from .plan import HEARTBEAT_MISSES, PoolConfig, PoolPlan, plan_pool
-from .procs import descendants, describe_exit, parse_rank_exits, spawn, stop_tree, tail, \
-    wait_until
+from .procs import descendants, describe_exit, end_job_first, parse_rank_exits, spawn, \
+    stop_tree, tail
 
 IPP_HINT = ("the pool needs ipyparallel: `pip install ipyparallel` "
             "(or `pip install hvd_magic[notebook]`)")
@@ -36,14 +36,6 @@ START_TIMEOUT = config.get("HVD_MAGIC_START_TIMEOUT")
 DIGEST_HISTORY = 4096
 #: Seconds to wait for the ranks to switch their telemetry on or off.
 SWITCH_TIMEOUT = 30.0
-
-
-class PoolError(RuntimeError):
-    """The pool could not start, or is gone. IPython shows the message (with the logs'
-    tails), not this module's frames."""
-
-    def _render_traceback_(self) -> List[str]:
-        return [f"PoolError: {self}"]
 
 
 def _ipp():
@@ -214,7 +206,7 @@ class Pool:
     def stop(self) -> None:
         """Stop everything this pool started (idempotent); no process is left behind."""
         if self.plan is not None and not self.plan.single_host:
-            self._end_remote_ranks()
+            end_job_first(self.mpiexec, self.client, self.controller)
         if self.client is not None:
             try:
                 self.client.close(linger=0)
@@ -231,22 +223,6 @@ class Pool:
         if self.config.workdir.startswith(short_tmp()) and "hvdm-" in self.config.workdir:
             shutil.rmtree(self.config.workdir, ignore_errors=True)
         _POOLS.discard(self)
-
-    def _end_remote_ranks(self, grace: float = 3.0) -> None:
-        """Multi-host pools: let ``mpiexec`` end the ranks on every host while the controller
-        still runs. The nanny of a rank on another host (out of this machine's reach) tells
-        the controller that its engine ended and exits at once; with the controller already
-        gone it lingered about 3 s before giving up."""
-        proc = self.mpiexec
-        if proc is None or proc.poll() is not None:
-            return
-        try:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(grace)
-        except Exception:  # noqa: BLE001 - still running: stop_tree kills it
-            return
-        if self.client is not None and self.controller is not None:
-            wait_until(lambda: not self.client.ids or self.controller.poll() is not None, 1.0)
 
     # ------------------------------------------------------------------ cells
     def targets(self, ranks: Optional[Sequence[int]]) -> List[int]:

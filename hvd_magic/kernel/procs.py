@@ -12,7 +12,7 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
 
 PR_SET_PDEATHSIG = 1
 
@@ -105,6 +105,23 @@ def stop_tree(term: Sequence[Optional[subprocess.Popen]],
             _signal_group(p, signal.SIGKILL)
             p.wait(2)
     wait_until(lambda: all(_gone(v) for v in victims), 2.0)
+
+
+def end_job_first(mpiexec: Optional[subprocess.Popen], client: Any, controller: Any,
+                  grace: float = 3.0) -> None:
+    """Multi-host pools: let ``mpiexec`` end the ranks on every host while the controller
+    still runs. The nanny of a rank on another host (out of this machine's reach) tells the
+    controller that its engine ended and exits at once; with the controller already gone it
+    lingered about 3 s before giving up."""
+    if mpiexec is None or mpiexec.poll() is not None:
+        return
+    try:
+        mpiexec.send_signal(signal.SIGTERM)
+        mpiexec.wait(grace)
+    except Exception:  # noqa: BLE001 - still running: stop_tree kills it
+        return
+    if client is not None and controller is not None:
+        wait_until(lambda: not client.ids or controller.poll() is not None, 1.0)
 
 
 def _gone(proc: "object") -> bool:
