@@ -12,6 +12,18 @@ from typing import Any, Dict, List
 
 from .output import OutputSink
 
+IPP_HINT = ("the pool needs ipyparallel: `pip install ipyparallel` "
+            "(or `pip install hvd_magic[notebook]`)")
+
+
+def ipyparallel() -> Any:
+    """The ipyparallel module, imported when a pool first needs it."""
+    try:
+        import ipyparallel as ipp
+    except ImportError as exc:
+        raise ImportError(IPP_HINT) from exc
+    return ipp
+
 
 def short_tmp() -> str:
     base = tempfile.gettempdir()

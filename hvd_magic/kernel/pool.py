@@ -20,30 +20,19 @@ import weakref
 from typing import Any, Dict, List, Optional, Sequence
 
 from .. import config
-from .cells import CellOutcome, Pump, clean_stale_dirs, notify, rank_done, rank_futures, \
-    short_tmp
+from .cells import CellOutcome, Pump, clean_stale_dirs, ipyparallel, notify, rank_done, \
+    rank_futures, short_tmp
 from .output import OutputSink, PoolCellError, PoolCellInterrupted, PoolCellTimeout, PoolError, \
     RankDiedError, RankFailure, ranks_text
 from .plan import HEARTBEAT_MISSES, PoolConfig, PoolPlan, plan_pool
 from .procs import descendants, describe_exit, end_job_first, parse_rank_exits, spawn, \
     stop_tree, tail
 
-IPP_HINT = ("the pool needs ipyparallel: `pip install ipyparallel` "
-            "(or `pip install hvd_magic[notebook]`)")
-
 START_TIMEOUT = config.get("HVD_MAGIC_START_TIMEOUT")
 #: Message signatures the pool's client remembers (jupyter_client's default is 65,536).
 DIGEST_HISTORY = 4096
 #: Seconds to wait for the ranks to switch their telemetry on or off.
 SWITCH_TIMEOUT = 30.0
-
-
-def _ipp():
-    try:
-        import ipyparallel
-    except ImportError as exc:
-        raise ImportError(IPP_HINT) from exc
-    return ipyparallel
 
 
 _POOLS: "weakref.WeakSet[Pool]" = weakref.WeakSet()
@@ -81,7 +70,7 @@ class Pool:
     # ------------------------------------------------------------------ start / stop
     def start(self, sink: Optional[OutputSink] = None) -> "Pool":
         """Start controller, engines and client; return when every rank is registered."""
-        ipp = _ipp()
+        ipp = ipyparallel()
         t0 = time.monotonic()
         if sink is not None:
             sink.status(f"hvd: starting {self.config.np} ranks ...")
@@ -341,7 +330,7 @@ class Pool:
 
     @staticmethod
     def _engine_lost(ar: Any) -> bool:
-        ipp = _ipp()
+        ipp = ipyparallel()
         return any(isinstance(md.get("error"), ipp.error.EngineError) for md in ar.metadata)
 
     def _settle_interrupt(self, ar: Any, pump: "Pump", targets: List[int],
@@ -409,7 +398,7 @@ class Pool:
         return f"{why}; the pool was stopped, the next %%hvd cell starts a new one"
 
     def _outcome(self, ar: Any, targets: List[int], sink: OutputSink) -> CellOutcome:
-        ipp = _ipp()
+        ipp = ipyparallel()
         out = CellOutcome(targets)
         failures: List[RankFailure] = []
         died = False
