@@ -27,7 +27,7 @@ def _construct_url(self: Any, kind: str, channel: str, index: Optional[int] = No
 
 class _QuietTelemetry(logging.Filter):
     """Drops the hub's warning about ``data_message`` on IOPub: the ranks' live telemetry
-    (hvd_magic.widgets.telemetry) arrives as such messages several times a second while a
+    (hvd_magic.kernel.telemetry) arrives as such messages several times a second while a
     cell runs, and each one wrote a warning line to controller.log (~8 lines a second on 2
     ranks, for as long as the pool lives)."""
 

@@ -75,9 +75,9 @@ class WidgetSink:
     one row per rank; a static HTML snapshot is emitted when the cell ends."""
 
     live = True
-    #: drain and redraw on :data:`RENDERER`'s low-priority thread (``HVD_MAGIC_RENDER_THREAD=0``:
+    #: redraw on :data:`RENDERER`'s low-priority thread (``HVD_MAGIC_RENDER_THREAD=0``:
     #: on the kernel's main thread, from the pool's wait loop)
-    feed_in_background = config.get("HVD_MAGIC_RENDER_THREAD")
+    redraw_in_background = config.get("HVD_MAGIC_RENDER_THREAD")
 
     def __init__(self, ranks: Optional[Sequence[int]] = None, max_lines: int = 200,
                  refresh: float = 0.45, rollover: int = 3000) -> None:
@@ -199,13 +199,13 @@ class WidgetSink:
             session().last_cell, session().last_sink = self.cell, self
         self._set_ranks(ranks)
         self.render()
-        if self.feed_in_background:
+        if self.redraw_in_background:
             RENDERER.add(self)
 
     def poll(self) -> None:
         """``Pool.run_cell``'s wait loop: redraw when due (unless the background renderer
         does it)."""
-        if not self.feed_in_background:
+        if not self.redraw_in_background:
             self.tick()
 
     def ingest(self, batches: Sequence[Mapping[str, Any]]) -> None:
