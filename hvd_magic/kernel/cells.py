@@ -104,8 +104,9 @@ class Pump:
 
     def flush(self) -> None:
         batches: List[Any] = []
+        mds = self.ar.metadata          # (the property parses every rank's dates: once)
         for i, r in enumerate(self.targets):
-            md = self.ar.metadata[i]
+            md = mds[i]
             for name in ("stdout", "stderr"):
                 text = md.get(name) or ""
                 off = self.offsets.get((r, name), 0)

@@ -402,8 +402,9 @@ class Pool:
         out = CellOutcome(targets)
         failures: List[RankFailure] = []
         died = False
+        mds = ar.metadata
         for i, r in enumerate(targets):
-            md = ar.metadata[i]
+            md = mds[i]
             err = md.get("error")
             if err is None and rank_done(ar, i):
                 try:
