@@ -82,31 +82,57 @@ CELLS = {
 }
 
 
+def _started(marks, np_, timeout=30.0):
+    """Wait until every rank has written its mark: the cell runs everywhere."""
+    deadline = time.monotonic() + timeout
+    while len(list(marks.glob("started-*"))) < np_:
+        assert time.monotonic() < deadline, "the cell did not start on every rank"
+        time.sleep(0.05)
+
+
+def _assert_names_the_paused_rank(content, victim, pids):
+    assert content["status"] == "error" and content["ename"] == "RankDiedError", content
+    text = content["evalue"]
+    assert f"rank {victim} (pid {pids[victim]} on " in text and "stopped answering" in text
+    assert "paused" in text and "next %%hvd cell starts a new one" in text
+    assert _gone(pids.values())              # the stopped rank too
+
+
 @pytest.mark.parametrize("np_", [2, 3])
 @pytest.mark.parametrize("where", sorted(CELLS))
-def test_a_paused_rank_ends_the_cell_naming_it(kernel, np_, where):
+def test_a_paused_rank_ends_the_cell_naming_it(kernel, tmp_path, np_, where):
     assert kernel.run(f"%%hvd -np {np_} --no-stream\n1")[0]["status"] == "ok"
     pids = kernel.pids()
     assert sorted(pids) == list(range(np_))
     victim = np_ - 1
-    msg_id = kernel.kc.execute(f"%%hvd\n{CELLS[where]}", stop_on_error=False)
-    time.sleep(1.5)                          # the cell runs on every rank
+    mark = f"import os\nopen(os.path.join({str(tmp_path)!r}, f'started-{{os.getpid()}}'), 'w')\n"
+    msg_id = kernel.kc.execute(f"%%hvd\n{mark}{CELLS[where]}", stop_on_error=False)
+    _started(tmp_path, np_)
     os.kill(pids[victim], signal.SIGSTOP)    # a debugger, Ctrl-Z, a frozen host
     paused = time.monotonic()
     reply = kernel.kc.get_shell_msg(timeout=30)
     took = time.monotonic() - paused
     assert reply["parent_header"]["msg_id"] == msg_id
-    content = reply["content"]
-    assert content["status"] == "error" and content["ename"] == "RankDiedError", content
+    _assert_names_the_paused_rank(reply["content"], victim, pids)
     assert took < 5.0, took
-    text = content["evalue"]
-    assert f"rank {victim} (pid {pids[victim]} on " in text and "stopped answering" in text
-    assert "paused" in text and "next %%hvd cell starts a new one" in text
-    assert _gone(pids.values())              # the stopped rank too
     content, out = kernel.run("%%hvd --no-stream\nimport hvd_magic.collectives as hvd\n"
                               "hvd.size()")
     assert content["status"] == "ok", content
     assert "the previous pool ended (rank" in out and f"[{victim}] Out: {np_}" in out
+
+
+@pytest.mark.parametrize("stream", ["--no-stream", ""])
+def test_a_rank_paused_between_cells_ends_the_next_one_naming_it(kernel, stream):
+    """Paused while the pool is idle: the next cell (which first switches the live panel's
+    telemetry when it streams) ends naming the rank instead of hanging or showing
+    ipyparallel's CompositeError."""
+    assert kernel.run("%%hvd -np 2 --no-stream\n1")[0]["status"] == "ok"
+    pids = kernel.pids()
+    os.kill(pids[1], signal.SIGSTOP)
+    paused = time.monotonic()
+    content, _ = kernel.run(f"%%hvd {stream}\nprint('hello')", timeout=30)
+    assert time.monotonic() - paused < 5.0
+    _assert_names_the_paused_rank(content, 1, pids)
 
 
 def test_a_rank_that_computes_holding_the_gil_is_not_declared_dead(kernel):

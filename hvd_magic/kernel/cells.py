@@ -78,6 +78,26 @@ def rank_done(ar: Any, i: int) -> bool:
     return rank_futures(ar)[i].done()
 
 
+def rank_error(ar: Any, i: int, md: Dict[str, Any]) -> Any:
+    """The exception rank ``i``'s part of the cell ended with (None: none, or not done).
+    A task stranded on an engine the controller dropped ends with that error as its
+    *result*, not as an exception or an ``error`` output."""
+    err = md.get("error")
+    fut = rank_futures(ar)[i]
+    if err is None and fut.done():
+        err = fut.exception()
+        if err is None and isinstance(fut.result(), BaseException):
+            err = fut.result()
+    return err
+
+
+def engine_lost(err: Any) -> bool:
+    """Whether ``err`` is ipyparallel saying the rank's engine went away: an EngineError,
+    or the RemoteError of that name it gives a task stranded on a dropped engine."""
+    return (isinstance(err, ipyparallel().error.EngineError)
+            or getattr(err, "ename", None) == "EngineError")
+
+
 def notify(sink: Any, name: str, *args: Any) -> None:
     """Call ``sink.name(*args)`` when the sink has that optional method."""
     fn = getattr(sink, name, None)

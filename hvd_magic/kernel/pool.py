@@ -20,8 +20,8 @@ import weakref
 from typing import Any, Dict, List, Optional, Sequence
 
 from .. import config
-from .cells import CellOutcome, Pump, clean_stale_dirs, ipyparallel, notify, rank_done, \
-    rank_futures, short_tmp
+from .cells import CellOutcome, Pump, clean_stale_dirs, engine_lost, ipyparallel, notify, \
+    rank_done, rank_error, rank_futures, short_tmp
 from .output import OutputSink, PoolCellError, PoolCellInterrupted, PoolCellTimeout, PoolError, \
     RankDiedError, RankFailure, ranks_text
 from .plan import HEARTBEAT_MISSES, PoolConfig, PoolPlan, plan_pool
@@ -259,10 +259,15 @@ class Pool:
             return
         from . import telemetry
         view = self.client[list(range(self.size))]
-        if interval is None:
-            view.apply_async(telemetry.disable).get(SWITCH_TIMEOUT)
-        else:
-            view.apply_async(telemetry.enable, interval).get(SWITCH_TIMEOUT)
+        try:
+            if interval is None:
+                view.apply_async(telemetry.disable).get(SWITCH_TIMEOUT)
+            else:
+                view.apply_async(telemetry.enable, interval).get(SWITCH_TIMEOUT)
+        except Exception:
+            if self._unheard() or not self.alive():   # a rank went away between cells
+                raise self._death([], list(range(self.size))) from None
+            raise
         self.telemetry = interval
 
     def _run(self, code: str, sink: OutputSink, targets: List[int],
@@ -330,8 +335,7 @@ class Pool:
 
     @staticmethod
     def _engine_lost(ar: Any) -> bool:
-        ipp = ipyparallel()
-        return any(isinstance(md.get("error"), ipp.error.EngineError) for md in ar.metadata)
+        return any(engine_lost(md.get("error")) for md in ar.metadata)
 
     def _settle_interrupt(self, ar: Any, pump: "Pump", targets: List[int],
                           sink: OutputSink, why: str) -> str:
@@ -398,20 +402,14 @@ class Pool:
         return f"{why}; the pool was stopped, the next %%hvd cell starts a new one"
 
     def _outcome(self, ar: Any, targets: List[int], sink: OutputSink) -> CellOutcome:
-        ipp = ipyparallel()
         out = CellOutcome(targets)
         failures: List[RankFailure] = []
         died = False
         mds = ar.metadata
         for i, r in enumerate(targets):
             md = mds[i]
-            err = md.get("error")
-            if err is None and rank_done(ar, i):
-                try:
-                    err = rank_futures(ar)[i].exception()
-                except Exception:  # noqa: BLE001
-                    err = None
-            if isinstance(err, ipp.error.EngineError) or (err is None and not rank_done(ar, i)):
+            err = rank_error(ar, i, md)
+            if engine_lost(err) or (err is None and not rank_done(ar, i)):
                 died = True
                 failures.append(RankFailure(r, "died", "EngineError", "rank ended"))
             elif err is not None:
