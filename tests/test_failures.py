@@ -90,8 +90,8 @@ def _started(marks, np_, timeout=30.0):
         time.sleep(0.05)
 
 
-def _assert_names_the_paused_rank(content, victim, pids):
-    assert content["status"] == "error" and content["ename"] == "RankDiedError", content
+def _assert_names_the_paused_rank(content, victim, pids, ename="RankDiedError"):
+    assert content["status"] == "error" and content["ename"] == ename, content
     text = content["evalue"]
     assert f"rank {victim} (pid {pids[victim]} on " in text and "stopped answering" in text
     assert "paused" in text and "next %%hvd cell starts a new one" in text
@@ -121,18 +121,21 @@ def test_a_paused_rank_ends_the_cell_naming_it(kernel, tmp_path, np_, where):
     assert "the previous pool ended (rank" in out and f"[{victim}] Out: {np_}" in out
 
 
-@pytest.mark.parametrize("stream", ["--no-stream", ""])
-def test_a_rank_paused_between_cells_ends_the_next_one_naming_it(kernel, stream):
+@pytest.mark.parametrize("code", ["%%hvd --no-stream\nprint(1)", "%%hvd\nprint(1)",
+                                  "%hvd pull x"])
+def test_a_rank_paused_between_cells_ends_the_next_one_naming_it(kernel, code):
     """Paused while the pool is idle: the next cell (which first switches the live panel's
-    telemetry when it streams) ends naming the rank instead of hanging or showing
-    ipyparallel's CompositeError."""
-    assert kernel.run("%%hvd -np 2 --no-stream\n1")[0]["status"] == "ok"
+    telemetry when it streams), or a pull, ends naming the rank instead of hanging or
+    showing ipyparallel's CompositeError."""
+    assert kernel.run("%%hvd -np 2 --no-stream\nx = 1")[0]["status"] == "ok"
     pids = kernel.pids()
     os.kill(pids[1], signal.SIGSTOP)
     paused = time.monotonic()
-    content, _ = kernel.run(f"%%hvd {stream}\nprint('hello')", timeout=30)
+    content, _ = kernel.run(code, timeout=30)
     assert time.monotonic() - paused < 5.0
-    _assert_names_the_paused_rank(content, 1, pids)
+    # a line magic's error is one UsageError line: "%hvd pull x: RankDiedError: rank 1 ..."
+    _assert_names_the_paused_rank(content, 1, pids,
+                                  "UsageError" if code.startswith("%hvd ") else "RankDiedError")
 
 
 def test_a_rank_that_computes_holding_the_gil_is_not_declared_dead(kernel):

@@ -259,16 +259,22 @@ class Pool:
             return
         from . import telemetry
         view = self.client[list(range(self.size))]
+        if interval is None:
+            self._ask(lambda: view.apply_async(telemetry.disable).get(SWITCH_TIMEOUT))
+        else:
+            self._ask(lambda: view.apply_async(telemetry.enable, interval).get(SWITCH_TIMEOUT))
+        self.telemetry = interval
+
+    def _ask(self, call: Any) -> Any:
+        """``call()``, a round trip to the ranks; if a rank went away meanwhile (it died, or
+        was paused between cells) the pool ends with :class:`RankDiedError` naming it, not
+        with ipyparallel's CompositeError for the stranded task."""
         try:
-            if interval is None:
-                view.apply_async(telemetry.disable).get(SWITCH_TIMEOUT)
-            else:
-                view.apply_async(telemetry.enable, interval).get(SWITCH_TIMEOUT)
+            return call()
         except Exception:
-            if self._unheard() or not self.alive():   # a rank went away between cells
+            if self._unheard() or not self.alive():
                 raise self._death([], list(range(self.size))) from None
             raise
-        self.telemetry = interval
 
     def _run(self, code: str, sink: OutputSink, targets: List[int],
              timeout: Optional[float]) -> CellOutcome:
@@ -455,16 +461,19 @@ class Pool:
     # ------------------------------------------------------------------ data, status
     def push(self, names: Dict[str, Any], ranks: Optional[Sequence[int]] = None) -> None:
         """Copy variables from here into the ranks' namespaces."""
-        self.client[self.targets(ranks)].push(names, block=True)
+        view = self.client[self.targets(ranks)]
+        self._ask(lambda: view.push(names, block=True))
 
     def pull(self, name: str, ranks: Optional[Sequence[int]] = None) -> List[Any]:
         """The value of ``name`` on each of ``ranks`` (a list in rank order)."""
-        return list(self.client[self.targets(ranks)].pull(name, block=True))
+        view = self.client[self.targets(ranks)]
+        return list(self._ask(lambda: view.pull(name, block=True)))
 
     def result_values(self, ranks: Sequence[int]) -> List[Any]:
         """The values the last cell produced on ``ranks`` (``Out[n]`` there; None if none)."""
         from .engine_side import last_result
-        return list(self.client[list(ranks)].apply_sync(last_result))
+        view = self.client[list(ranks)]
+        return list(self._ask(lambda: view.apply_sync(last_result)))
 
     def status(self, timeout: float = 2.0) -> Dict[str, Any]:
         """Ranks, hosts, pids, what each is doing, pending collectives; plus notes."""
