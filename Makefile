@@ -28,8 +28,10 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 demo: setup
 	$(PY) -m hvd_magic.demo
 
+# The suite and every notebook (nbval: each runs top to bottom at 2 ranks; cells marked
+# NBVAL_CHECK_OUTPUT are compared after notebooks/sanitize.cfg), one pytest, one exit code.
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests --nbval-lax --nbval-sanitize-with notebooks/sanitize.cfg notebooks
 
 bench: setup
 	$(PY) benchmarks/run_all.py
