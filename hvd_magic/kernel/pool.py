@@ -292,12 +292,12 @@ class Pool:
             note = self._settle_interrupt(ar, pump, targets, sink, "interrupted")
             raise PoolCellInterrupted(note) from None
         except _Timeout:
+            late = [r for i, r in enumerate(targets) if not rank_done(ar, i)]  # before settling
             note = self._settle_interrupt(ar, pump, targets, sink,
                                           f"ran past --timeout {timeout:g} s")
             raise PoolCellTimeout([RankFailure(r, "timeout", "TimeoutError",
                                                f"cell ran past --timeout {timeout:g} s")
-                                   for r in targets if not rank_done(ar, targets.index(r))],
-                                  note) from None
+                                   for r in late], note) from None
         finally:
             pump.flush()
             sink.close()
