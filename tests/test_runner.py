@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -430,7 +431,12 @@ def test_make_demo_prints_the_quickstart_notebooks_results():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "[0] rank 0 of 2 -> [0.5 0.5 0.5 0.5]" in out and "[1] rank 1 of 2" in out
-    assert "[1] step 199 loss" in out and "hvd: pool stopped" in out
+    assert "[1] epoch 4: loss" in out and "hvd: pool stopped" in out
+    assert re.search(r"quickstart: test accuracy 0\.\d{3}; 2-rank scaling efficiency \d+%", out)
+    root = Path(__file__).parent.parent
+    assert f"executed notebook: {root / 'build/demo/quickstart.ipynb'}" in out
+    assert f"HTML: {root / 'build/demo/quickstart.html'}" in out
+    assert (root / "build/demo/quickstart.html").stat().st_size > 10_000
 
 
 def test_one_machine_holds_four_ranks_per_core_unless_oversubscribed():
