@@ -176,6 +176,12 @@ def test_push_pull_status_autohvd(ip, capsys):
     assert ip.user_ns["lr2"] == [0.5, 1.0]
     ip.run_line_magic("hvd", "pull lr2 --rank 1")
     assert ip.user_ns["lr2"] == 1.0
+    # a name the ranks lack: one line naming the error and the ranks, no CompositeError
+    res = ip.run_cell("%hvd pull nosuch")
+    assert str(res.error_in_exec) == ("%hvd pull nosuch: NameError on ranks 0, 1: name 'nosuch' "
+                                      "is not defined")
+    res = ip.run_cell("%%hvd scale --np 1,2 --no-stream\nprint(1)")
+    assert "%hvd scale takes only --np (got '--no-stream')" in str(res.error_in_exec)
     capsys.readouterr()
     ip.run_line_magic("hvd", "status")
     out = capsys.readouterr().out

@@ -10,9 +10,10 @@ from .output import OutputSink, PoolCellError, PoolCellInterrupted, PoolCellTime
     RankDiedError, RankFailure, TextSink
 from .plan import PoolConfig, PoolPlan, plan_pool
 from .cells import CellOutcome
-from .output import PoolError
+from .output import PoolError, remote_error_text
 from .pool import Pool
 
 __all__ = ["CellOutcome", "OutputSink", "Pool", "PoolCellError", "PoolCellInterrupted",
            "PoolCellTimeout", "PoolConfig", "PoolError", "PoolManager", "PoolPlan",
-           "RankDiedError", "RankFailure", "TextSink", "make_config", "plan_pool"]
+           "RankDiedError", "RankFailure", "TextSink", "make_config", "plan_pool",
+           "remote_error_text"]

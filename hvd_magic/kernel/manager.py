@@ -9,7 +9,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from .. import config
 from ..runner.plan import Host
-from .output import OutputSink
+from .output import OutputSink, n_ranks
 from .plan import NO_NAMESPACE, PoolConfig, plan_pool
 from .pool import Pool
 
@@ -114,7 +114,7 @@ class PoolManager:
         pool = Pool(config).start(sink)
         self.pool, self._running, self.last = pool, request, request
         if sink is not None:
-            sink.status(f"hvd: {np} ranks ready in {pool.started_s:.1f} s")
+            sink.status(f"hvd: {n_ranks(np)} ready in {pool.started_s:.1f} s")
             for note in pool.plan.notes if pool.plan else []:
                 if note.startswith(NO_NAMESPACE):
                     sink.status(f"hvd: note: {note}")

@@ -156,6 +156,23 @@ def ranks_text(ranks: Sequence[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
+def n_ranks(n: int) -> str:
+    """``1 rank`` / ``2 ranks``."""
+    return f"{n} rank" if n == 1 else f"{n} ranks"
+
+
+def remote_error_text(exc: BaseException) -> str:
+    """One line for an error the ranks raised in a push/pull/apply: ``NameError on ranks 0,
+    1: name 'x' is not defined`` instead of ipyparallel's CompositeError listing."""
+    elist = getattr(exc, "elist", None)
+    if not elist:
+        return f"{type(exc).__name__}: {exc}"
+    groups: Dict[tuple, List[int]] = {}
+    for ename, evalue, _tb, info in elist:
+        groups.setdefault((ename, evalue), []).append((info or {}).get("engine_id", -1))
+    return "; ".join(f"{ename} on {ranks_text(r)}: {evalue}" for (ename, evalue), r in groups.items())
+
+
 class PoolCellError(Exception):
     """A pool cell failed on some ranks. ``.failures`` has one :class:`RankFailure` per rank.
 

@@ -23,7 +23,7 @@ from .. import config
 from .cells import CellOutcome, Pump, clean_stale_dirs, engine_lost, ipyparallel, notify, \
     rank_done, rank_error, rank_futures, short_tmp
 from .output import OutputSink, PoolCellError, PoolCellInterrupted, PoolCellTimeout, PoolError, \
-    RankDiedError, RankFailure, ranks_text
+    RankDiedError, RankFailure, n_ranks, ranks_text
 from .plan import HEARTBEAT_MISSES, PoolConfig, PoolPlan, plan_pool
 from .procs import descendants, describe_exit, end_job_first, parse_rank_exits, spawn, \
     stop_tree, tail
@@ -73,7 +73,7 @@ class Pool:
         ipp = ipyparallel()
         t0 = time.monotonic()
         if sink is not None:
-            sink.status(f"hvd: starting {self.config.np} ranks ...")
+            sink.status(f"hvd: starting {n_ranks(self.config.np)} ...")
         try:
             clean_stale_dirs(short_tmp())
         except Exception:  # noqa: BLE001 - housekeeping only
@@ -131,7 +131,7 @@ class Pool:
                 raise PoolError(f"only {count} of {n} ranks registered within {START_TIMEOUT:g} "
                                 f"s (HVD_MAGIC_START_TIMEOUT){hint}")
             if sink is not None and (count != last or now - shown > 5.0):
-                sink.status(f"hvd: starting {n} ranks ... {count}/{n} ready "
+                sink.status(f"hvd: starting {n_ranks(n)} ... {count}/{n} ready "
                             f"({now - t0:.1f} s)")
                 last, shown = count, now
             time.sleep(0.01)

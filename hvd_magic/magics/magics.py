@@ -17,6 +17,11 @@ def _usage(exc: BaseException) -> UsageError:
     return UsageError(str(exc))
 
 
+def _remote(exc: BaseException) -> str:
+    from ..kernel import remote_error_text
+    return remote_error_text(exc)
+
+
 @magics_class
 class HvdMagics(Magics):
     """``%%hvd`` runs a cell on the pool's ranks; ``%hvd`` manages the pool."""
@@ -101,6 +106,9 @@ class HvdMagics(Magics):
                 nps = words[i + 1]
             elif w.startswith("--np="):
                 nps = w.split("=", 1)[1]
+            elif not (i > 0 and words[i - 1] in ("--np", "-np")):
+                raise UsageError(f"%hvd scale takes only --np (got {w!r}); it runs the cell on "
+                                 "one host at each size: %%hvd scale --np 1,2,4")
         if nps is None:
             raise UsageError("usage: %%hvd scale --np 1,2,4 (then the cell), or %hvd scale "
                              "--np 1,2,4 to re-run the last %%hvd cell")
@@ -148,6 +156,8 @@ class HvdMagics(Magics):
             pool.push({n: self.shell.user_ns[n] for n in req.names}, req.ranks)
         except ValueError as exc:
             raise _usage(exc) from None
+        except Exception as exc:  # noqa: BLE001 - a rank failed or went away: one line
+            raise UsageError(f"%hvd push: {_remote(exc)}") from None
 
     def _cmd_pull(self, req: Any) -> Any:
         pool = self._require_pool()
@@ -157,7 +167,7 @@ class HvdMagics(Magics):
         except ValueError as exc:
             raise _usage(exc) from None
         except Exception as exc:  # noqa: BLE001 - NameError on a rank, shown plainly
-            raise UsageError(f"%hvd pull {name}: {type(exc).__name__}: {exc}") from None
+            raise UsageError(f"%hvd pull {name}: {_remote(exc)}") from None
         self.shell.user_ns[name] = values[0] if req.rank is not None else values
         return None
 
