@@ -450,3 +450,14 @@ def test_handle_resolved_once_through_its_resolver():
     bad.resolve(error=ValueError("boom"))
     with pytest.raises(ValueError, match="boom"):
         bad.wait()
+
+
+def test_the_engine_cycles_at_once_on_news_backs_off_while_polling_and_idles_to_the_heartbeat():
+    from hvd_magic.collectives.waiting import MAX_POLL_S, MIN_SLEEP_S, next_cycle_in
+    assert next_cycle_in(True, False, 7, 0.0, None) == 0.0            # something to send
+    assert next_cycle_in(False, True, 0, 0.0, 1.0) == 0.0             # the last cycle brought news
+    assert next_cycle_in(False, True, 1, 0.0, 1.0) == 2 * MIN_SLEEP_S  # then backs off ...
+    assert next_cycle_in(False, True, 30, 0.0, 1.0) == MAX_POLL_S     # ... up to a bound
+    assert next_cycle_in(False, True, 30, 2 * MAX_POLL_S, 1.0) == 0.0
+    assert next_cycle_in(False, False, 3, 0.25, 1.0) == 0.75          # idle: the heartbeat
+    assert next_cycle_in(False, False, 3, 0.25, None) is None         # no stall check: sleep

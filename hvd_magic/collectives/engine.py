@@ -37,7 +37,7 @@ from .interrupts import defer_sigint, restore_sigint
 from .negotiation import _tuple_new, Ann, Negotiator, RankMsg
 from .stall import StallCheck
 from .timeline import CYCLE, Timeline, TimelineWriter, now_us
-from .waiting import INLINE_SPIN_S, MAX_POLL_S, MIN_SLEEP_S, tight_timer_slack, wait_request
+from .waiting import INLINE_SPIN_S, next_cycle_in, tight_timer_slack, wait_request
 
 
 class Engine:
@@ -248,23 +248,20 @@ class Engine:
                     or self._px is not None or self._inline_exc is not None)
 
     def _await_reason(self) -> bool:
-        """Block until there is a reason to negotiate. True: news to send (or a posted
-        exchange to finish); False: a poll or heartbeat cycle is due."""
-        heartbeat = self.stall.heartbeat_s
+        """Block until there is a reason to negotiate (:func:`~.waiting.next_cycle_in`
+        decides when). True: news to send (or a posted exchange to finish); False: a poll
+        or heartbeat cycle is due."""
         waited_from = time.monotonic()
-        while not self._has_news():
-            now = time.monotonic()
-            if self._join is not None or self.neg.waiting(self.rank):
-                if self._empty_streak == 0:
-                    return False
-                delay = min(MAX_POLL_S, MIN_SLEEP_S * (2 ** min(self._empty_streak, 10)))
-                if now - waited_from >= delay:
-                    return False
-                self._sleep(delay - (now - waited_from))
-                continue
-            if heartbeat is not None and now - waited_from >= heartbeat:
-                return False
-            self._sleep(None if heartbeat is None else heartbeat - (now - waited_from))
+        while True:
+            news = self._has_news()
+            delay = next_cycle_in(news, self._join is not None or self.neg.waiting(self.rank),
+                                  self._empty_streak, time.monotonic() - waited_from,
+                                  self.stall.heartbeat_s)
+            if delay == 0.0:
+                break
+            self._sleep(delay)
+        if not news:
+            return False
         if self._new and self.cfg.cycle_time_s > 0 and not self._urgent:
             deadline = time.monotonic() + self.cfg.cycle_time_s
             while not self._urgent and not self._shutdown_announce:

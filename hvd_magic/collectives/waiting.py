@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 from mpi4py import MPI
 
@@ -22,6 +22,21 @@ INLINE_SPIN_S = 200e-6  # a waiting caller runs the cycle itself for at most thi
 MIN_SLEEP_S = 20e-6
 MAX_POLL_S = 1e-3      # longest sleep between polls while waiting for other ranks
 TICK_S = 0.25          # how often ``tick`` runs during a long wait
+
+
+def next_cycle_in(news: bool, polling: bool, empty_streak: int, waited_s: float,
+                  heartbeat_s: Optional[float]) -> Optional[float]:
+    """Seconds until the engine thread's next negotiation cycle (0: now; None: only when a
+    user thread rings). ``news``: this rank has something to send; ``polling``: it waits
+    on the other ranks (a join, or requests they have not all submitted), so it asks again
+    with a backoff that grows with ``empty_streak``, the cycles in a row that brought
+    nothing; otherwise an idle rank cycles once per ``heartbeat_s`` (the stall check's
+    heartbeat; None: never). ``waited_s``: how long it has waited already."""
+    if news or (polling and empty_streak == 0):
+        return 0.0
+    if polling:
+        return max(0.0, min(MAX_POLL_S, MIN_SLEEP_S * 2 ** min(empty_streak, 10)) - waited_s)
+    return None if heartbeat_s is None else max(0.0, heartbeat_s - waited_s)
 
 
 def wait_request(req: MPI.Request, waiting: Callable[[], bool],
