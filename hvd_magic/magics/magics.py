@@ -17,6 +17,12 @@ def _usage(exc: BaseException) -> UsageError:
     return UsageError(str(exc))
 
 
+def _status_sink() -> Any:
+    """Start-up lines only (``%hvd start``/``restart`` run no cell: no live panel)."""
+    from ..kernel import TextSink
+    return TextSink()
+
+
 def _remote(exc: BaseException) -> str:
     from ..kernel import remote_error_text
     return remote_error_text(exc)
@@ -134,12 +140,11 @@ class HvdMagics(Magics):
         print("hvd: pool stopped" if self.manager.stop() else "hvd: no pool was running")
 
     def _cmd_start(self, req: Any) -> None:
-        sink = self._sink()
-        self._pool_for(req.pool, sink)
+        self._pool_for(req.pool, _status_sink())
 
     def _cmd_restart(self, req: Any) -> None:
         self.manager.stop()          # then start for the request, or the last one
-        self._pool_for(req.pool, self._sink())
+        self._pool_for(req.pool, _status_sink())
 
     def _require_pool(self) -> Any:
         pool = self.manager.pool
