@@ -57,7 +57,9 @@ class Executor:
         return self._torch_backend
 
     def close(self) -> None:
-        """Release the torch.distributed group, if one was made (best effort)."""
+        """Release the shared-memory segment and the torch.distributed group, if one was
+        made (best effort)."""
+        self.mpi_backend.close()
         if self._torch_backend is not None:
             try:
                 self._torch_backend.close()
