@@ -199,6 +199,30 @@ def run_all():
                             fail(f"{label}: allreduce_ did not return its argument")
                         check_result(label + " in place", x, quantize(ref, dtype), dtype, fw)
 
+    # 64 KiB to 1 MiB on one host: through the shared-memory segment (backends/shm.py)
+    from hvd_magic.collectives import state
+    shm = state.engine().mpi_backend.shm
+    before = shm.calls if shm is not None else 0
+    for fw, dtype in (("np", "float32"), ("np", "float64"), ("np", "int32"), ("torch", "float32")):
+        for elems in (64 * 1024 // 4, 1024 * 1024 // 8):
+            for op in OPS:
+                label = f"allreduce shm {fw} {dtype} {elems} {op.name}"
+
+                @case(label)
+                def _():
+                    kind = "product" if op == hvd.Product else "sum"
+                    x = make(values(r, (elems,), dtype, kind), dtype, fw)
+                    ref = quantize(reduce_ref([values(k, (elems,), dtype, kind) for k in range(n)],
+                                              op, dtype), dtype)
+                    check_result(label, hvd.allreduce(x, name=NAME + label, op=op), ref, dtype, fw)
+                    check_result(label + " input untouched", x, values(r, (elems,), dtype, kind),
+                                 dtype, fw)
+                    hvd.allreduce_(x, name=NAME + label + "_", op=op)
+                    check_result(label + " in place", x, ref, dtype, fw)
+    if MODE in ("eager", "mpi", "nofusion") and (shm is None or shm.calls - before < 2 * 4 * 2 * len(OPS)):
+        fail(f"allreduce shm: the segment carried {0 if shm is None else shm.calls - before} "
+             "calls of 64 KiB to 1 MiB, expected all of them (one host)")
+
     # half types reduce in float32: big + n-1 ones, then *3, differs when accumulated in half
     for fw, dtype, big in (("np", "float16", 2048.0), ("torch", "float16", 2048.0),
                            ("torch", "bfloat16", 256.0)):
