@@ -85,9 +85,13 @@ def rank_error(ar: Any, i: int, md: Dict[str, Any]) -> Any:
     err = md.get("error")
     fut = rank_futures(ar)[i]
     if err is None and fut.done():
-        err = fut.exception()
-        if err is None and isinstance(fut.result(), BaseException):
-            err = fut.result()
+        try:
+            err = fut.exception()
+            if err is None:
+                res = fut.result()
+                err = res if isinstance(res, BaseException) else None
+        except Exception:  # noqa: BLE001 - a cancelled (aborted) task: no error of its own
+            err = None
     return err
 
 

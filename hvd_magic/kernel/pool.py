@@ -259,10 +259,8 @@ class Pool:
             return
         from . import telemetry
         view = self.client[list(range(self.size))]
-        if interval is None:
-            self._ask(lambda: view.apply_async(telemetry.disable).get(SWITCH_TIMEOUT))
-        else:
-            self._ask(lambda: view.apply_async(telemetry.enable, interval).get(SWITCH_TIMEOUT))
+        fn, args = (telemetry.disable, ()) if interval is None else (telemetry.enable, (interval,))
+        self._ask(lambda: view.apply_async(fn, *args).get(SWITCH_TIMEOUT))
         self.telemetry = interval
 
     def _ask(self, call: Any) -> Any:
