@@ -21,6 +21,9 @@ def split_noname(name: str) -> Optional[tuple]:
     >>> split_noname("allreduce.noname.0.3")
     ('allreduce.noname', 0, '.3')
     """
+    head, sep, num = name.rpartition(".")
+    if num.isdigit() and head.endswith(".noname") and ".noname." not in head:
+        return head, int(num), ""           # (the usual form, in fewer steps)
     head, sep, tail = name.partition(".noname.")
     if not sep:
         return None

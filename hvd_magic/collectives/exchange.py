@@ -6,6 +6,7 @@ and then the message where it fits; when one rank's does not, every rank's messa
 again in a second round (an allgatherv of the exact lengths)."""
 from __future__ import annotations
 
+import struct
 from typing import Callable
 
 import numpy as np
@@ -43,7 +44,8 @@ class SlotExchange:
         self._recv = np.zeros((self.size, slot), dtype=np.uint8)
         self._send_mv = memoryview(self._send)
         self._recv_mv = memoryview(self._recv.reshape(-1))
-        self._recv_lens = self._recv[:, :8].view("<u8")     # each rank's message length
+        # every rank's message length, read in one call (8 bytes at the start of each slot)
+        self._lens = struct.Struct("<" + f"Q{slot - 8}x" * self.size)
         self._sent_data = b""        # what the send buffer holds now (written again if not)
 
     def post(self, data: bytes) -> MPI.Request:
@@ -69,14 +71,14 @@ class SlotExchange:
         otherwise a second round runs (``wait`` waits for its request)."""
         slot = self.slot
         mv = self._recv_mv
-        lens = self._recv_lens.ravel().tolist()
+        lens = list(self._lens.unpack_from(mv))
         if max(lens) > slot - 8:      # a second round for what did not fit
             displs = np.cumsum([0] + lens[:-1]).tolist()
             big = np.empty(sum(lens), dtype=np.uint8)
             wait(self.comm.Iallgatherv(np.frombuffer(data, dtype=np.uint8),
                                        [big, lens, displs, MPI.BYTE]))
             return [big[d:d + c] for d, c in zip(displs, lens)], False
+        views = [mv[r * slot + 8:r * slot + 8 + n] for r, n in enumerate(lens)]
         if as_bytes:
-            return tuple(bytes(mv[r * slot + 8:r * slot + 8 + lens[r]])
-                         for r in range(self.size)), True
-        return [mv[r * slot + 8:r * slot + 8 + lens[r]] for r in range(self.size)], False
+            return tuple([v.tobytes() for v in views]), True
+        return views, False

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import math
 
-from ..ops import ReduceOp
-
 
 def row_elems(shape: tuple) -> int:
     return math.prod(shape[1:]) if len(shape) > 1 else 1
@@ -18,14 +16,6 @@ def scatter_rows(rows: int, size: int) -> list:
     """
     q, rem = divmod(rows, size)
     return [q + (1 if r < rem else 0) for r in range(size)]
-
-
-def post_factor(op: ReduceOp, postscale: float, n_contrib: int) -> float:
-    """Multiplier applied after the sum: 1/n for Average, times postscale."""
-    f = postscale
-    if op == ReduceOp.AVERAGE:
-        f = f / n_contrib
-    return f
 
 
 def chunk_spans(n: int, itemsize: int, chunk_bytes: int) -> list:

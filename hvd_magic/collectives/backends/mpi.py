@@ -23,7 +23,7 @@ from mpi4py import MPI
 from .. import ops
 from ..ops import ReduceOp
 from ..timeline import MEMCPY_IN, MEMCPY_OUT, now_us
-from .common import chunk_spans, displacements, post_factor, row_elems, scatter_rows
+from .common import chunk_spans, displacements, row_elems, scatter_rows
 from .shm import SHM_MIN, ShmAllreduce
 
 _MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.AVERAGE: MPI.SUM, ReduceOp.MIN: MPI.MIN,
@@ -49,6 +49,8 @@ _UFUNCS.update({(ReduceOp.MIN, True): np.logical_and, (ReduceOp.MAX, True): np.l
 
 
 _OPS = {int(o): o for o in ReduceOp}
+_AVERAGE = ReduceOp.AVERAGE
+_IN_PLACE = MPI.IN_PLACE
 _REQ_OF = operator.itemgetter(0)
 _OUT_OF = operator.attrgetter("out")
 _SIZE_OF = operator.attrgetter("size")
@@ -186,8 +188,9 @@ class MPIBackend:
     def _allreduce_one(self, req: Any, ann0: Any, op: ReduceOp, red: np.dtype, mop: MPI.Op,
                        n_contrib: int) -> np.ndarray:
         """The result of one request's allreduce, not fused (not half precision). In place
-        where the caller allows it; out of place, the input is copied into this backend's
-        buffer, reduced there and copied out, because Open MPI takes several times longer on
+        where the caller allows it. Out of place, the input is copied into a new array and
+        reduced there, except when MPI carries 64 KiB to 64 MiB: then it is reduced in this
+        backend's buffer and copied out, because Open MPI takes several times longer on
         memory it has not seen before (2 ranks, 1 MiB: ~1 ms into a new array, ~0.2 ms here)."""
         src = req.src()
         target = src if req.out is src else req.inplace_target()   # (numpy in place)
@@ -195,35 +198,50 @@ class MPIBackend:
         if target is not None:
             self._reduce_into(target, mop, op, post, n_contrib, None, pre)
             return target
-        if red.kind == "f" and op == ReduceOp.AVERAGE:
+        if red.kind == "f" and op == _AVERAGE:
             op, pre = ReduceOp.SUM, pre / n_contrib    # the 1/n rides on the copy in
-        if src.nbytes > _KEEP_MAX:
-            work = np.empty(src.shape, dtype=red)
+        nbytes = src.nbytes
+        if SHM_MIN <= nbytes <= _KEEP_MAX and not self._via_shm(nbytes):
+            work = self._fusion_buffer(red, src.size).reshape(src.shape)
             self._reduce_into(work, mop, op, post, n_contrib, src, pre)
-            return work
-        work = self._fusion_buffer(red, src.size)
+            return work.copy()
+        work = np.empty(src.shape, dtype=red)
         self._reduce_into(work, mop, op, post, n_contrib, src, pre)
-        return work.reshape(src.shape).copy()
+        return work
+
+    def _via_shm(self, nbytes: int) -> bool:
+        """Whether a buffer of ``nbytes`` goes through the shared-memory segment."""
+        return self.shm is not None and SHM_MIN <= nbytes <= self.shm.slot
 
     def _reduce_into(self, work: np.ndarray, mop: MPI.Op, op: ReduceOp, postscale: float,
                      n_contrib: int, src: Optional[np.ndarray] = None, pre: float = 1.0) -> None:
-        """``work`` (contiguous) := allreduce of ``src * pre`` (of ``work * pre`` when ``src``
-        is None), averaged and post-scaled, as MPI calls of at most ``self.chunk`` bytes; each
-        piece is copied in and finished while it is still in cache."""
+        """``work`` (contiguous) := allreduce of ``src * pre`` (``src`` of the same shape; of
+        ``work * pre`` when ``src`` is None), averaged and post-scaled, as MPI calls of at most
+        ``self.chunk`` bytes; each piece is copied in and finished while it is still in cache."""
+        nbytes, chunk = work.nbytes, self.chunk
+        if (nbytes <= chunk or not chunk) and not self._via_shm(nbytes):
+            # one MPI call (smaller tensors, or no pieces), on ``work`` as it is shaped
+            if pre != 1.0:
+                np.multiply(work if src is None else src, pre, out=work, casting="unsafe")
+            elif src is not None:
+                np.copyto(work, src, casting="unsafe")
+            self.comm.Allreduce(_IN_PLACE, work, op=mop)
+            self._finish_into(work, work, op, postscale, n_contrib)
+            return
         flat = work.reshape(-1)
         s = src.reshape(-1) if src is not None else flat
-        if self.shm is not None and SHM_MIN <= flat.nbytes <= self.shm.slot:
+        if self._via_shm(nbytes):
             self.shm.allreduce(flat, s, _UFUNCS[(op, flat.dtype.kind == "b")],
                                lambda out: self._finish_into(out, out, op, postscale, n_contrib),
                                pre)
             return
         for lo, hi in chunk_spans(flat.size, flat.itemsize, self.chunk):
-            part = flat[lo:hi] if hi - lo != flat.size else flat
+            part = flat[lo:hi]
             if pre != 1.0:
                 np.multiply(s[lo:hi], pre, out=part, casting="unsafe")
             elif src is not None:
                 np.copyto(part, s[lo:hi], casting="unsafe")
-            self.comm.Allreduce(MPI.IN_PLACE, part, op=mop)
+            self.comm.Allreduce(_IN_PLACE, part, op=mop)
             self._finish_into(part, part, op, postscale, n_contrib)
 
     def reduce_eager(self, req: Any, resp: Any, n_contrib: int) -> None:
@@ -263,12 +281,13 @@ class MPIBackend:
                      n_contrib: int) -> None:
         """``dst`` := ``res`` averaged (floor division for integers) and post-scaled, in one
         pass; ``dst`` may be ``res`` (in place: nothing is done when there is nothing to do)."""
-        if res.dtype.kind == "f":
-            factor = post_factor(op, postscale, n_contrib)
+        kind = res.dtype.kind
+        if kind == "f":
+            factor = postscale / n_contrib if op == _AVERAGE else postscale
             if factor != 1.0:
                 np.multiply(res, res.dtype.type(factor), out=dst)
                 return
-        elif op == ReduceOp.AVERAGE and n_contrib != 1 and res.dtype.kind != "b":
+        elif op == _AVERAGE and n_contrib != 1 and kind != "b":
             np.floor_divide(res, n_contrib, out=dst)
             if postscale != 1.0:
                 np.copyto(dst, dst * postscale, casting="unsafe")
