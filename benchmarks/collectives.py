@@ -294,7 +294,7 @@ def report(res: dict, args) -> list:
     p(f"hvd_magic collectives vs raw mpi4py Allreduce -- {res['size']} ranks, numpy float32, "
       f"medians of rank 0's per-call times")
     p(f"host: {res['host']}, {res['cpus']} CPUs; {res['mpi_version']}; mpi4py "
-      f"{res['mpi4py']}; numpy {res['numpy']}; eager={res['eager']}; "
+      f"{res['mpi4py']}; numpy {res['numpy']}; "
       f"fusion threshold {res['fusion']} B; cycle time {res['cycle_ms']} ms; {res['date']}")
     p("")
     hdr = (f"{'size':>7} {'n':>5} | {'raw in pl':>9} {'hvd _ Sum':>9} {'bw':>6} | "
@@ -395,7 +395,7 @@ def main() -> int:
     res = {"size": bench.size, "host": os.uname().nodename, "cpus": os.cpu_count(),
            "mpi_version": MPI.Get_library_version().split(",")[0].strip() + " (MPI " + ".".join(map(str, MPI.Get_version())) + ")",
            "mpi4py": __import__("mpi4py").__version__, "numpy": np.__version__,
-           "eager": eng._eager_max, "fusion": eng.cfg.fusion_threshold,
+           "fusion": eng.cfg.fusion_threshold,
            "cycle_ms": eng.cfg.cycle_time_s * 1000, "date": time.strftime("%Y-%m-%d %H:%M %Z")}
     if not args.skip_cpu:
         res["idle"] = bench.cpu_idle(idle_s)

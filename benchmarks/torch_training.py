@@ -56,9 +56,8 @@ SWEEP = [  # (label, environment)
     ("fusion 1 MiB", {"HOROVOD_FUSION_THRESHOLD": str(1 << 20)}),
     ("fusion 0 (off)", {"HOROVOD_FUSION_THRESHOLD": "0"}),
     ("cycle 1 ms, fusion 1 MiB", {"HOROVOD_CYCLE_TIME": "1", "HOROVOD_FUSION_THRESHOLD": str(1 << 20)}),
-    ("eager on", {"HVD_MAGIC_EAGER": "1"}),
 ]
-SWEEP_KEYS = ("HOROVOD_CYCLE_TIME", "HOROVOD_FUSION_THRESHOLD", "HVD_MAGIC_EAGER")
+SWEEP_KEYS = ("HOROVOD_CYCLE_TIME", "HOROVOD_FUSION_THRESHOLD")
 
 
 # ============================================================== worker (inside mpiexec)

@@ -53,8 +53,6 @@ _VARS = [
     Var("HVD_MAGIC_ALLREDUCE_CHUNK_MB", "float", 1.0,
         "on one host, an allreduce bigger than this runs as MPI calls of this size; 0: one "
         "call per buffer; rank 0's value holds"),
-    Var("HVD_MAGIC_EAGER", "bool", False,
-        "1 sends allreduces up to 4 KiB inside the negotiation message"),
     Var("HVD_MAGIC_INLINE", "bool", True,
         "0: a waiting caller never runs the negotiation cycle itself; the background thread "
         "does all communication"),

@@ -16,8 +16,8 @@ NP = pytest.mark.parametrize("np_", [2, 3], ids=["np2", "np3"])
 def test_every_op_dtype_shape_and_tensor_type(np_):
     """allreduce (every op, prescale/postscale, in place, async, grouped), allgather, broadcast
     (each root), alltoall (with and without splits), reducescatter, barrier, object ops; numpy
-    and torch; eager, MPI-fused, unfused and torch.distributed/gloo (the path CUDA tensors take
-    with NCCL) paths. Values against numpy references."""
+    and torch; MPI-fused, unfused, in 1 KiB MPI pieces and torch.distributed/gloo (the path CUDA
+    tensors take with NCCL) paths. Values against numpy references."""
     proc = mpirun("coll_ops.py", np_, timeout=300)
     assert proc.stdout.count("coll_ops OK") == np_, proc.stdout
 
@@ -50,11 +50,11 @@ def test_stall_warning_and_stall_shutdown(np_):
 
 def test_engine_thread_only_path_at_3_ranks(tmp_path):
     """With HVD_MAGIC_INLINE=0 a waiting caller never runs the negotiation cycle itself: the
-    background thread does all of it (the path async requests take); with HVD_MAGIC_EAGER=1
-    small allreduces ride in the negotiation; with HOROVOD_CACHE_CAPACITY=0 every announcement
+    background thread does all of it (the path async requests take); with
+    HOROVOD_CACHE_CAPACITY=0 every announcement
     travels in full and no cycle is reused. Orders, fusion, join and every mismatch error
     still hold."""
-    env = {"HVD_MAGIC_INLINE": "0", "HVD_MAGIC_EAGER": "1", "HOROVOD_CACHE_CAPACITY": "0"}
+    env = {"HVD_MAGIC_INLINE": "0", "HOROVOD_CACHE_CAPACITY": "0"}
     proc = mpirun("coll_misc.py", 3, str(tmp_path), env=env, timeout=180)
     assert proc.stdout.count("coll_misc OK") == 3, proc.stdout
     proc = mpirun("coll_errors.py", 3, env=env, timeout=120)

@@ -189,17 +189,6 @@ def test_duplicate_submission_is_reported():
     assert out[0].error_kind == "mismatch" and "twice" in out[0].error
 
 
-def test_eager_payloads_only_when_every_rank_sent_one():
-    neg = Negotiator(2)
-    out = neg.step([msg(ar("x"), payloads=((0, b"a"),)), msg(ar("x"), payloads=((0, b"b"),))])
-    assert out[0].data == {0: b"a", 1: b"b"}
-    out = neg.step([msg(ar("y"), payloads=((0, b"a"),)), msg(ar("y"))])
-    assert out[0].data is None
-    neg.step([msg(ar("z"), payloads=((0, b"a"),)), idle()])
-    out = neg.step([idle(), msg(ar("z"), payloads=((0, b"b"),))])
-    assert out[0].data == {0: b"a", 1: b"b"}
-
-
 def test_wrong_message_count():
     with pytest.raises(ValueError):
         Negotiator(2).step([idle()])
@@ -209,8 +198,8 @@ def test_wrong_message_count():
 
 # ---------------------------------------------------------------- fusion
 
-def ready(ann, joined=frozenset(), data=None):
-    return Response(ann.name, ann.kind, {0: ann, 1: ann}, joined=joined, data=data)
+def ready(ann, joined=frozenset()):
+    return Response(ann.name, ann.kind, {0: ann, 1: ann}, joined=joined)
 
 
 def test_fusion_groups_by_key_and_threshold():
@@ -254,11 +243,10 @@ def test_fusion_separates_scale_and_joined_and_passes_others_through():
     c = ready(ar("c"), joined=frozenset({1}))
     d = ready(ar("d"))
     g = ready(Ann("g", "allgather", "float32", (2,)))
-    e = ready(ar("e"), data={0: b"", 1: b""})             # eager: reduced locally
     bad = Response("m", "allreduce", {0: ar("m")}, error="boom", error_kind="mismatch")
-    plan = plan_fusion([a, g, b, c, e, bad, d], threshold=1 << 20)
+    plan = plan_fusion([a, g, b, c, bad, d], threshold=1 << 20)
     assert [p.names if isinstance(p, Bucket) else p.name for p in plan] == \
-        [["a", "d"], "g", ["b"], ["c"], "e", "m"]
+        [["a", "d"], "g", ["b"], ["c"], "m"]
 
 
 def test_half_types_count_float32_bytes():
@@ -396,7 +384,7 @@ def test_cycle_cache_keeps_only_clean_cycles_and_answers_only_when_nothing_is_pe
     assert not CycleCache.cacheable(RankMsg(anns=(tuple(ar("a")),)))
     assert not CycleCache.cacheable(idle())                                  # nothing said
     for extra in (dict(join=True), dict(shutdown=True), dict(cancels=(("a", "x"),)),
-                  dict(events=(("e",),)), dict(payloads=((0, b"1"),))):
+                  dict(events=(("e",),))):
         assert not CycleCache.cacheable(RankMsg(anns=(0,), **extra))
     cache.put(("k1",), ok, None)
     assert cache.get(("k1",), busy=False) == (ok, None, None, None) and cache.hits == 1

@@ -167,7 +167,7 @@ class CycleCache:
 
     A cycle is kept when it started and ended with nothing pending, every rank's message is
     :meth:`cacheable` (only announcements made by table index, see :class:`AnnCodec`, and
-    no joins, cancels, shutdowns, timeline events or eager payloads), and none of its
+    no joins, cancels, shutdowns or timeline events), and none of its
     decisions is an error.
     The same message bytes seen again while nothing is pending then decode to the same
     requests (unnamed calls to the next numbers of the same names), and the negotiation
@@ -197,7 +197,7 @@ class CycleCache:
         indexed, so no message is."""
         anns = wire.anns
         return (bool(anns) and (type(anns[0]) is int or len(anns[0]) == 3)
-                and not (wire.cancels or wire.join or wire.shutdown or wire.events or wire.payloads)
+                and not (wire.cancels or wire.join or wire.shutdown or wire.events)
                 and (len(anns) == 1 or all(type(a) is int or len(a) == 3 for a in anns)))
 
     def clear(self) -> None:

@@ -29,7 +29,7 @@ from .. import config as env
 from .codec import AnnCodec, CycleCache
 from .config import Config
 from .errors import HvdError, ShutdownError
-from .exchange import EAGER_MAX, EAGER_SLOT, SLOT, SlotExchange, eager_payloads
+from .exchange import SLOT, SlotExchange
 from .execute import Executor
 from .fusion import plan_fusion
 from .handles import Handle, LocalReq
@@ -79,14 +79,7 @@ class Engine:
         self._inline_exc: Optional[BaseException] = None
         self._ended = False
         self.inline = env.get("HVD_MAGIC_INLINE")
-        # HVD_MAGIC_EAGER=1: small allreduces ride in the negotiation message (one round trip
-        # instead of two). Off by default: since waiting callers run the cycle themselves, the
-        # second round (~1 us of MPI for 4 KiB) costs less than the larger slot every cycle
-        # pays (8 KiB Iallgather 5.6 us vs 2 KiB 1.8 us) plus the payload handling in Python.
-        self._eager_max = EAGER_MAX if (self.size <= 16 and config.cpu_operations == "mpi"
-                                        and env.get("HVD_MAGIC_EAGER")) else 0
-        self._slot = EAGER_SLOT if self._eager_max else SLOT
-        self.wire = SlotExchange(comm, self._slot)
+        self.wire = SlotExchange(comm, SLOT)
         self.stall = StallCheck(config.stall_check_s, config.stall_shutdown_s, self.rank)
         self._next_tick = 0.0
         self._empty_streak = 0
@@ -285,11 +278,9 @@ class Engine:
         else:
             cancels, join = (), False
         shut, self._shutdown_announce = self._shutdown_announce, False
-        payloads: Any = eager_payloads(new, self._slot, self._eager_max) if self._eager_max else ()
         self._sent = anns = [r.ann for r in new]
         # (tuple.__new__: the namedtuple constructor's argument handling costs ~0.3 us)
-        return _tuple_new(RankMsg, (self.codec.encode(anns), cancels, join, shut,
-                                    self.tl.take(), tuple(payloads)))
+        return _tuple_new(RankMsg, (self.codec.encode(anns), cancels, join, shut, self.tl.take()))
 
     def _loop(self) -> None:
         lock = self._cycle_lock
@@ -413,11 +404,10 @@ class Engine:
         decode = self.codec.decode
         self.codec.begin()
         for r, buf in enumerate(wire):
-            anns, cancels, join, shut, events, payloads = marshal.loads(buf)
-            if key is not None and not CycleCache.cacheable(
-                    RankMsg(anns, cancels, join, shut, events, payloads)):
+            anns, cancels, join, shut, events = marshal.loads(buf)
+            if key is not None and not CycleCache.cacheable(RankMsg(anns, cancels, join, shut, events)):
                 key = None            # another rank's message cannot be kept
-            out.append(RankMsg(decode(r, anns), cancels, join, shut, events, payloads))
+            out.append(RankMsg(decode(r, anns), cancels, join, shut, events))
         if self.codec.resets != self._codec_resets:
             # a table started again: the same index bytes may now mean other requests
             self._codec_resets = self.codec.resets

@@ -1,5 +1,4 @@
-"""The bytes of one negotiation cycle on the wire (:class:`SlotExchange`), and which small
-allreduce inputs ride in the message itself (:func:`eager_payloads`, HVD_MAGIC_EAGER=1).
+"""The bytes of one negotiation cycle on the wire (:class:`SlotExchange`).
 
 Every rank's message is allgathered through a fixed slot per rank: its length (8 bytes)
 and then the message where it fits; when one rank's does not, every rank's message goes
@@ -13,24 +12,6 @@ import numpy as np
 from mpi4py import MPI
 
 SLOT = 2048            # bytes per rank in the first negotiation round (more: a second round)
-EAGER_SLOT = 8192      # the same with HVD_MAGIC_EAGER=1
-EAGER_MAX = 4096       # with HVD_MAGIC_EAGER=1, an allreduce input this small rides in the message
-
-
-def eager_payloads(new: list, slot: int, eager_max: int) -> list:
-    """(index, bytes) of the CPU allreduce inputs among the requests ``new`` that ride in
-    a message of ``slot`` bytes: each at most ``eager_max`` bytes, while room is left."""
-    payloads = []
-    # Room left in the fixed slot once the metadata (~100 bytes a request) is in.
-    budget = slot - 1024 - 100 * len(new)
-    for i, r in enumerate(new):
-        a = r.ann
-        if a.kind == "allreduce" and a.device == "cpu":
-            src = r.src()
-            if src.nbytes <= eager_max and src.nbytes <= budget:
-                budget -= src.nbytes
-                payloads.append((i, src.tobytes()))
-    return payloads
 
 
 class SlotExchange:

@@ -71,7 +71,7 @@ class Executor:
         True: the ranks agreed to shut down."""
         if len(responses) == 1:       # nothing to fuse
             resp = responses[0]
-            if resp.kind == "allreduce" and resp.data is None and resp.error is None:
+            if resp.kind == "allreduce" and resp.error is None:
                 self._reduce([resp], decided)
                 return False
             return self._execute_one(resp, decided)
@@ -138,13 +138,11 @@ class Executor:
         if self.tl.active:
             self._queue_events([(req, resp.first)], decided)
         if req is None and resp.kind != "allgather":
-            return False   # a joined rank has nothing to do for a barrier or an eager allreduce
+            return False   # a joined rank has nothing to do for a barrier
         try:
             kind = resp.kind
             device = (req.ann if req is not None else resp.first).device
-            if kind == "allreduce":   # sent eagerly: reduce locally, same order on every rank
-                self.mpi_backend.reduce_eager(req, resp, self.size - len(resp.joined))
-            elif kind == "barrier":
+            if kind == "barrier":
                 req.result = None
             elif kind == "allgather":
                 self.backend(device).allgather(req, resp.anns, self.size)

@@ -51,8 +51,8 @@ def plan_fusion(responses: list, threshold: int, alone: int = 0) -> list:
     plan: list = []
     open_buckets: dict[tuple, tuple[Bucket, int]] = {}
     for resp in responses:
-        if resp.kind != "allreduce" or resp.error is not None or resp.data is not None:
-            plan.append(resp)   # eager allreduces are reduced locally from the negotiation data
+        if resp.kind != "allreduce" or resp.error is not None:
+            plan.append(resp)
             continue
         a = next(iter(resp.anns.values()))      # resp.first, without the property call
         key = (a.dtype, a.op, a.prescale, a.postscale, a.device, resp.joined)   # fusion key

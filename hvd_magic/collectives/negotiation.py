@@ -55,7 +55,6 @@ class RankMsg(NamedTuple):
     join: bool = False              # this rank called join()
     shutdown: bool = False          # this rank called shutdown()
     events: tuple = ()              # timeline events for rank 0's file
-    payloads: tuple = ()            # (index into anns, bytes): small allreduce inputs sent eagerly
 
 
 @dataclass(slots=True)
@@ -69,7 +68,6 @@ class Response:
     error: Optional[str] = None
     error_kind: str = ""            # mismatch, stall, joined, shutdown
     last_joined: int = -1
-    data: Optional[dict] = None     # rank -> bytes when every submitting rank sent its input eagerly
 
     @property
     def first(self) -> Ann:
@@ -81,7 +79,6 @@ class Pending:
     name: str
     anns: dict = field(default_factory=dict)
     since: float = 0.0
-    data: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -185,8 +182,7 @@ class Negotiator:
             return fast
         out: list[Response] = []
         for rank, msg in enumerate(msgs):
-            eager = dict(msg.payloads) if msg.payloads else None
-            for i, ann in enumerate(msg.anns):
+            for ann in msg.anns:
                 p = self.pending.get(ann.name)
                 if p is None:
                     p = self.pending[ann.name] = Pending(ann.name, since=now)
@@ -196,8 +192,6 @@ class Negotiator:
                         f"tensor '{ann.name}' was submitted twice by rank {rank}"), error_kind="mismatch"))
                     continue
                 p.anns[rank] = ann
-                if eager is not None and i in eager:
-                    p.data[rank] = eager[i]
             if msg.join and rank not in self.joined:
                 self.joined.append(rank)
             if msg.shutdown:
@@ -253,10 +247,9 @@ class Negotiator:
             for m in msgs[1:]:
                 if [a.name for a in m.anns] != names:
                     return None
-        eager = [dict(m.payloads) if m.payloads else None for m in msgs]
         out = []
         ranks = range(self.size)
-        if all(m.anns == m0.anns for m in msgs) and not any(eager) and all(
+        if all(m.anns == m0.anns for m in msgs) and all(
                 a.kind != "alltoall" for a in m0.anns):
             # Every rank sent the very same requests: they agree, nothing to compare one by one.
             for a in m0.anns:
@@ -272,10 +265,7 @@ class Negotiator:
             if first.kind == "alltoall" and any(
                     a.splits is not None and len(a.splits) != self.size for a in anns.values()):
                 return None   # let the general path report it
-            data = None
-            if all(e is not None and i in e for e in eager):
-                data = {r: eager[r][i] for r in ranks}
-            out.append(Response(name, first.kind, anns, data=data))
+            out.append(Response(name, first.kind, anns))
         return out
 
     def _decide(self, p: Pending, joined: frozenset) -> Optional[Response]:
@@ -303,8 +293,7 @@ class Negotiator:
                 return Response(p.name, first.kind, p.anns, error=(
                     f"alltoall of tensor '{p.name}': splits must have one entry per rank "
                     f"({self.size}): {group_ranks(bad)}"), error_kind="mismatch")
-        data = p.data if p.data and len(p.data) == len(p.anns) else None
-        return Response(p.name, first.kind, p.anns, joined=part_joined, data=data)
+        return Response(p.name, first.kind, p.anns, joined=part_joined)
 
     def stalled(self, now: float, older_than: float) -> list:
         """Requests some ranks submitted and others have not, for longer than ``older_than`` s."""

@@ -42,7 +42,7 @@ GROUP_COLOR = {"negotiation": "#9467bd", "queue": "#c7c7c7", "fusion copy": "#17
 
 
 def phase_group(phase: str) -> str:
-    """The legend group of a runtime phase name (MPI_ALLREDUCE, EAGER_ALLREDUCE ... are
+    """The legend group of a runtime phase name (MPI_ALLREDUCE, GLOO_ALLREDUCE ... are
     "reduction")."""
     return PHASE_GROUP.get(phase, "reduction")
 

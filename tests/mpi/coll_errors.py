@@ -57,7 +57,7 @@ odd = n - 1          # the rank that differs
 rest = ranks_text(others(odd))
 me = ranks_text([odd])
 
-for size in (3, 3000):   # eager path and MPI path
+for size in (3, 3000):   # a small and a bigger tensor
     sfx = f" {size}"
     expect_mismatch("shape" + sfx, lambda: hvd.allreduce(np.zeros(size + (r == odd)), name="t.shape" + sfx),
                     ["allreduce", "'t.shape" + sfx + "'", "shape", f"{me} sent ({size + 1},)",

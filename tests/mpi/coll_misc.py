@@ -16,7 +16,6 @@ from mpi4py import MPI
 import hvd_magic.collectives as hvd
 
 TMP = sys.argv[1]
-EAGER = os.environ.get("HVD_MAGIC_EAGER") == "1"   # small allreduces ride in the negotiation
 WR, WN = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 FAILS = []
 SECTION = ""
@@ -93,7 +92,7 @@ def val(k, name, size):
 
 @section("different orders")
 def _():
-    for rnd, size in enumerate((3, 5000, 100000)):      # small (eager if on), single/fused, bigger
+    for rnd, size in enumerate((3, 5000, 100000)):      # small, single/fused, bigger
         order = ORDERS[r % len(ORDERS)]
         hs = {}
         for name in order:
@@ -141,7 +140,7 @@ def _():
         check(np.allclose(hvd.allreduce(np.full(3, float(step)), name="loop.one"), step), f"step {step} single")
     if os.environ.get("HOROVOD_CACHE_CAPACITY") == "0":
         check(cache.hits == hits0, f"HOROVOD_CACHE_CAPACITY=0, yet {cache.hits - hits0} cache hits")
-    elif not EAGER:     # (eager inputs ride in the messages: those cycles never recur)
+    else:
         check(cache.hits > hits0, f"no cycle was served from the cache ({cache.hits})")
     # the same loop, the last rank submitting one tensor late: rank 0's messages are those
     # of the steps before, the last rank's are not
@@ -186,7 +185,7 @@ def _():
         for h, k in zip(hs, (2, 3)):
             check(np.allclose(hvd.synchronize(h), sum(q + k + step for q in range(n))), f"unnamed step {step} async {k}")
         check(np.allclose(g[0], n - 1 + step) and np.allclose(g[1], step), f"unnamed step {step} grouped")
-    if not EAGER and os.environ.get("HOROVOD_CACHE_CAPACITY") != "0":
+    if os.environ.get("HOROVOD_CACHE_CAPACITY") != "0":
         check(cache.hits >= hits0 + 20, f"unnamed loop: {cache.hits - hits0} cycles from the cache")
     # a mismatch inside an unnamed loop still fails on every rank, and the loop goes on
     for step in range(3):
@@ -266,8 +265,7 @@ def _():
             check(np.allclose(hvd.allreduce(np.full(2, float(r * step)), name=k, op=hvd.Sum),
                               step * n * (n - 1) / 2), f"{k} step {step}")
     check(eng.codec.resets >= 2, f"tables started again {eng.codec.resets} times")
-    if not EAGER:
-        check(eng.cycle_cache.hits > 0, "no cycle served from the cache between resets")
+    check(eng.cycle_cache.hits > 0, "no cycle served from the cache between resets")
     hvd.shutdown()
     with_env(HOROVOD_CACHE_CAPACITY=before)
     hvd.init()
@@ -347,7 +345,7 @@ def xevents(events, phase=None):
 
 
 def fusion_batch(tag, count=32, elems=2048):
-    """count async allreduces of 8 KiB float32 (above the eager limit), then wait for all."""
+    """count async allreduces of 8 KiB float32 , then wait for all."""
     hs = [hvd.allreduce_async(np.full(elems, float(r + i), np.float32), name=f"{tag}.{i}", op=hvd.Sum)
           for i in range(count)]
     for i, h in enumerate(hs):
@@ -363,7 +361,7 @@ def _():
     names = []
     for b in range(3):
         names += fusion_batch(f"fuse{b}")
-    hvd.allreduce(np.ones(2), name="small eager")
+    hvd.allreduce(np.ones(2), name="small one")
     hvd.stop_timeline()
     if r == 0:
         ev = load_timeline(path)
@@ -376,7 +374,7 @@ def _():
         check(set(names) <= covered, f"tensors missing from MPI_ALLREDUCE events: {set(names) - covered}")
         phases = {e["name"] for e in xevents(ev)}
         for p in ("NEGOTIATE", "QUEUE", "MPI_ALLREDUCE", "MEMCPY_IN_FUSION_BUFFER",
-                  "MEMCPY_OUT_FUSION_BUFFER") + (("EAGER_ALLREDUCE",) if EAGER else ()):
+                  "MEMCPY_OUT_FUSION_BUFFER"):
             check(p in phases, f"phase {p} missing (have {sorted(phases)})")
         pids = {e["pid"] for e in xevents(ev)}
         check(pids == set(range(n)), f"pids {pids} != ranks")
@@ -404,7 +402,7 @@ def _():
     hvd.allreduce(np.ones(3000), name="sub.big")
     hvd.allreduce(np.ones(3), name="sub.small")
     deadline = time.monotonic() + 5
-    small = "EAGER_ALLREDUCE" if EAGER else "MPI_ALLREDUCE"
+    small = "MPI_ALLREDUCE"
     while not any(e[1] == "sub.small" and e[2] == small for e in got) and time.monotonic() < deadline:
         time.sleep(0.01)
     seen = {(e[1], e[2]) for e in got}
@@ -574,7 +572,7 @@ def _():
     for i, (o, t) in enumerate(zip(outs, ts)):
         check(np.allclose(o, (n - 1) / 2 + i), f"mixed submission {i}")
         check(np.allclose(t, (n - 1) / 2 + i) if i % 2 else np.allclose(t, r + i), f"input {i} after")
-    if r == 0 and not EAGER:      # (eager ones are reduced from the negotiation instead)
+    if r == 0:
         calls = [e["args"]["tensors"] for e in xevents(load_timeline(path), "MPI_ALLREDUCE")
                  if e["pid"] == 0]
         for i in (1, 3, 5):

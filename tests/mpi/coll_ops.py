@@ -1,6 +1,6 @@
 """Every collective, over dtypes, shapes and tensor types, checked against numpy references
-computed from every rank's known inputs. Run twice per launch: with small allreduces sent
-eagerly in the negotiation (HVD_MAGIC_EAGER=1) and without (the default: MPI path, fused buckets).
+computed from every rank's known inputs. Run once per mode in one launch: the default (MPI
+path, fused buckets), no fusion, 1 KiB MPI pieces, and torch.distributed/gloo.
 
 Exits nonzero with one line per failed check, prefixed by the rank."""
 import os
@@ -219,7 +219,7 @@ def run_all():
                                  dtype, fw)
                     hvd.allreduce_(x, name=NAME + label + "_", op=op)
                     check_result(label + " in place", x, ref, dtype, fw)
-    if MODE in ("eager", "mpi", "nofusion") and (shm is None or shm.calls - before < 2 * 4 * 2 * len(OPS)):
+    if MODE in ("mpi", "nofusion") and (shm is None or shm.calls - before < 2 * 4 * 2 * len(OPS)):
         fail(f"allreduce shm: the segment carried {0 if shm is None else shm.calls - before} "
              "calls of 64 KiB to 1 MiB, expected all of them (one host)")
 
@@ -582,16 +582,15 @@ def run_all():
 def main():
     global MODE
     # "gloo": CPU tensors through torch.distributed, the code path CUDA tensors take with NCCL
-    for mode, env in (("eager", {"HVD_MAGIC_EAGER": "1"}), ("mpi", {"HVD_MAGIC_EAGER": "0"}),
-                      ("nofusion", {"HVD_MAGIC_EAGER": "0", "HOROVOD_FUSION_THRESHOLD": "0"}),
+    for mode, env in (("mpi", {}), ("nofusion", {"HOROVOD_FUSION_THRESHOLD": "0"}),
                       # every allreduce over 1048 bytes as MPI calls of 1048 bytes
                       # (boundaries inside tensors and fusion buffers)
-                      ("chunks", {"HVD_MAGIC_EAGER": "0", "HVD_MAGIC_ALLREDUCE_CHUNK_MB": "0.001"}),
+                      ("chunks", {"HVD_MAGIC_ALLREDUCE_CHUNK_MB": "0.001"}),
                       ("gloo", {"HOROVOD_CPU_OPERATIONS": "gloo"})):
         if len(sys.argv) > 1 and mode not in sys.argv[1:]:
             continue
         MODE = mode
-        for k in ("HVD_MAGIC_EAGER", "HOROVOD_FUSION_THRESHOLD", "HOROVOD_CPU_OPERATIONS",
+        for k in ("HOROVOD_FUSION_THRESHOLD", "HOROVOD_CPU_OPERATIONS",
                   "HVD_MAGIC_ALLREDUCE_CHUNK_MB"):
             os.environ.pop(k, None)
         os.environ.update(env)

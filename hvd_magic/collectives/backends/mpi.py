@@ -244,38 +244,6 @@ class MPIBackend:
             self.comm.Allreduce(_IN_PLACE, part, op=mop)
             self._finish_into(part, part, op, postscale, n_contrib)
 
-    def reduce_eager(self, req: Any, resp: Any, n_contrib: int) -> None:
-        """Reduce inputs that every rank sent with the negotiation, in rank order (so every
-        rank computes bit-identical results) without another round of communication."""
-        ann = req.ann
-        dtype, op = ann.dtype, _OPS[ann.op]
-        half = dtype in ops.HALF
-        red, carried = _DTYPES.get(dtype) or _dtypes(dtype)
-        t0 = now_us() if self.tl.active else 0.0
-        data = resp.data
-        arrs = [np.frombuffer(data[r], dtype=carried) for r in sorted(data)]
-        if half:
-            arrs = [ops.upcast(a, dtype) for a in arrs]
-        if ann.prescale != 1.0:
-            arrs = [(a * ann.prescale).astype(red, copy=False) for a in arrs]
-        target = req.inplace_target() if not half else None
-        acc = target.reshape(-1) if target is not None else np.empty(arrs[0].size, dtype=red)
-        ufunc = _UFUNCS[(op, red.kind == "b")]
-        if len(arrs) == 1:
-            np.copyto(acc, arrs[0], casting="unsafe")
-        else:
-            ufunc(arrs[0], arrs[1], out=acc, casting="unsafe")
-            for a in arrs[2:]:
-                ufunc(acc, a, out=acc, casting="unsafe")
-        self._finish_into(acc, acc, op, ann.postscale, n_contrib)
-        if half:
-            out = np.empty(acc.size, dtype=carried)
-            ops.downcast_into(out, acc, dtype)
-            acc = out
-        if self.tl.active:
-            self.tl.add(ann.name, "EAGER_ALLREDUCE", t0, now_us() - t0, {"bytes": int(acc.nbytes)})
-        req.set_array(target if target is not None else acc.reshape(ann.shape), dtype)
-
     @staticmethod
     def _finish_into(dst: np.ndarray, res: np.ndarray, op: ReduceOp, postscale: float,
                      n_contrib: int) -> None:
