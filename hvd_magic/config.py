@@ -46,6 +46,8 @@ _VARS = [
     Var("HOROVOD_TIMELINE", "str", "", "Chrome-trace timeline file written by rank 0"),
     Var("HOROVOD_TIMELINE_MARK_CYCLES", "bool", False,
         "1 marks every negotiation cycle in the timeline"),
+    Var("HOROVOD_DYNAMIC_PROCESS_SETS", "bool", False,
+        "1 lets hvd.add_process_set / remove_process_set run after hvd.init()"),
     Var("HOROVOD_CPU_OPERATIONS", "choice", "mpi",
         "how CPU tensors are reduced: MPI (mpi4py), or torch.distributed with gloo (the "
         "code path CUDA tensors take with NCCL)", choices=("mpi", "gloo")),

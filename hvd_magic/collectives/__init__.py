@@ -13,7 +13,9 @@ from .handles import GroupHandle, Handle
 from .errors import (HorovodInternalError, HvdError, JoinedRankError, ShutdownError, StallError,
                      TensorMismatchError)
 from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
-from .state import (ccl_built, cross_rank, cross_size, cuda_built, gloo_built, gloo_enabled, init,
+from .process_sets import (ProcessSet, add_process_set, global_process_set, init,
+                           remove_process_set)
+from .state import (ccl_built, cross_rank, cross_size, cuda_built, gloo_built, gloo_enabled,
                     is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
                     mpi_threads_supported, nccl_built, rank, rocm_built, shutdown, size)
 

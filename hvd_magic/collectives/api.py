@@ -18,22 +18,29 @@ from . import ops
 from .handles import GroupHandle, Handle
 from .ops import Average
 from .negotiation import Ann, allreduce_ann
+from .process_sets import ProcessSet, engine_of, global_process_set
 from .state import _require, engine
 from .state import _state as _st
+
+_GLOBAL = global_process_set
 
 _counters: dict[str, itertools.count] = {}
 _counter_lock = threading.Lock()
 
 
-def request_name(kind: str, name: Optional[str]) -> str:
+def request_name(kind: str, name: Optional[str], eng: Any = None) -> str:
+    """``name``, checked, or the next ``kind.noname.N``. A process set's engine ``eng``
+    numbers its own unnamed calls, so its ranks number them alike whatever other sets
+    they are in."""
     if name is not None:
         if not isinstance(name, str) or not name:
             raise TypeError(f"name must be a non-empty string, got {name!r}")
         return name
-    c = _counters.get(kind)
+    counters = _counters if eng is None or not eng.set_id else eng.noname
+    c = counters.get(kind)
     if c is None:
         with _counter_lock:
-            c = _counters.setdefault(kind, itertools.count())
+            c = counters.setdefault(kind, itertools.count())
     return f"{kind}.noname.{next(c)}"     # (next() on a count is atomic: no lock needed)
 
 
@@ -62,23 +69,29 @@ def scale_factor(x: Any, label: str) -> float:
 # ---------------------------------------------------------------- allreduce
 
 def allreduce_async(tensor: Any, name: Optional[str] = None, op: Any = Average,
-                    prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+                    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set) -> Handle:
     """Start an allreduce; see :func:`allreduce`."""
-    return submit_allreduce(tensor, None, name, op, prescale_factor, postscale_factor)
+    return submit_allreduce(tensor, None, name, op, prescale_factor, postscale_factor,
+                            process_set=process_set)
 
 
 def allreduce_async_(tensor: Any, name: Optional[str] = None, op: Any = Average,
-                     prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> Handle:
     """In-place :func:`allreduce_async`: the result is written into ``tensor``."""
-    return submit_allreduce(tensor, tensor, name, op, prescale_factor, postscale_factor)
+    return submit_allreduce(tensor, tensor, name, op, prescale_factor, postscale_factor,
+                            process_set=process_set)
 
 
 _OP_INT = {o: int(o) for o in ops.ReduceOp}
 _PLAIN_OPS = frozenset(o for o in ops.ReduceOp if o != ops.Adasum)
 
 
-def submit_allreduce(tensor, out, name, op, prescale, postscale, urgent=False) -> Handle:
-    if (type(tensor) is np.ndarray and (name is None or type(name) is str and name)
+def submit_allreduce(tensor, out, name, op, prescale, postscale, urgent=False,
+                     process_set=_GLOBAL) -> Handle:
+    if (process_set is _GLOBAL and type(tensor) is np.ndarray
+            and (name is None or type(name) is str and name)
             and type(op) is ops.ReduceOp and op in _PLAIN_OPS and type(prescale) is float
             and type(postscale) is float):
         # the usual numpy call, checked and announced without the helpers below (same
@@ -93,19 +106,22 @@ def submit_allreduce(tensor, out, name, op, prescale, postscale, urgent=False) -
     dtype, shape, device = check_tensor(tensor, "allreduce")
     op = ops.to_op(op)
     ops.check_op_dtype(op, dtype)
-    ann = allreduce_ann(request_name("allreduce", name), dtype, shape, int(op),
+    eng = engine_of(process_set)
+    ann = allreduce_ann(request_name("allreduce", name, eng), dtype, shape, int(op),
                         scale_factor(prescale, "prescale_factor"), scale_factor(postscale, "postscale_factor"),
                         device)
-    return engine().submit(ann, tensor, out, urgent=urgent)
+    return eng.submit(ann, tensor, out, urgent=urgent)
 
 
 def allreduce(tensor: Any, name: Optional[str] = None, op: Any = Average,
-              prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: ProcessSet = global_process_set) -> Any:
     """Reduce ``tensor`` over all ranks; every rank gets the result (a new tensor).
 
     ``op`` is Average (default), Sum, Min, Max or Product. The input is multiplied by
     ``prescale_factor`` before and the result by ``postscale_factor`` after the reduction.
-    Integer Average rounds down; float16/bfloat16 are reduced in float32.
+    Integer Average rounds down; float16/bfloat16 are reduced in float32. With
+    ``process_set``, only its ranks take part (and only they call it).
 
     Example, 2 ranks::
 
@@ -113,26 +129,33 @@ def allreduce(tensor: Any, name: Optional[str] = None, op: Any = Average,
         rank 1: allreduce(np.array([3., 4.]))            -> [2., 3.]
         rank 0: allreduce(np.array([1., 2.]), op=hvd.Sum) -> [4., 6.]
     """
-    return submit_allreduce(tensor, None, name, op, prescale_factor, postscale_factor, True).wait()
+    return submit_allreduce(tensor, None, name, op, prescale_factor, postscale_factor, True,
+                            process_set).wait()
 
 
 def allreduce_(tensor: Any, name: Optional[str] = None, op: Any = Average,
-               prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
+               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               process_set: ProcessSet = global_process_set) -> Any:
     """In-place :func:`allreduce`: ``tensor`` holds the result and is returned."""
-    return submit_allreduce(tensor, tensor, name, op, prescale_factor, postscale_factor, True).wait()
+    return submit_allreduce(tensor, tensor, name, op, prescale_factor, postscale_factor, True,
+                            process_set).wait()
 
 
 # ---------------------------------------------------------------- allgather
 
-def allgather_async(tensor: Any, name: Optional[str] = None) -> Handle:
+def allgather_async(tensor: Any, name: Optional[str] = None,
+                    process_set: ProcessSet = global_process_set) -> Handle:
     dtype, shape, device = check_tensor(tensor, "allgather")
     if shape == ():
         tensor = tensor.reshape(1)
         shape = (1,)
-    return engine().submit(Ann(request_name("allgather", name), "allgather", dtype, shape, device=device), tensor)
+    eng = engine_of(process_set)
+    return eng.submit(Ann(request_name("allgather", name, eng), "allgather", dtype, shape,
+                          device=device), tensor)
 
 
-def allgather(tensor: Any, name: Optional[str] = None) -> Any:
+def allgather(tensor: Any, name: Optional[str] = None,
+              process_set: ProcessSet = global_process_set) -> Any:
     """Concatenate every rank's tensor along the first dimension (which may differ by rank).
 
     Example, 2 ranks::
@@ -140,53 +163,72 @@ def allgather(tensor: Any, name: Optional[str] = None) -> Any:
         rank 0: allgather(np.array([[1, 2]]))          -> [[1, 2], [3, 4], [5, 6]]
         rank 1: allgather(np.array([[3, 4], [5, 6]]))  -> [[1, 2], [3, 4], [5, 6]]
     """
-    return allgather_async(tensor, name).wait()
+    return allgather_async(tensor, name, process_set).wait()
 
 
 # ---------------------------------------------------------------- broadcast
 
-def check_root(root_rank: Any) -> int:
+def check_root(root_rank: Any, eng: Any = None) -> int:
+    """``root_rank`` (an hvd rank) checked, as ``eng``'s communicator numbers it."""
     if isinstance(root_rank, bool) or not isinstance(root_rank, (int, np.integer)):
         raise TypeError(f"root_rank must be an int, got {root_rank!r}")
     n = _require().size
     if not 0 <= int(root_rank) < n:
         raise ValueError(f"root_rank={root_rank} is out of range: there are {n} ranks (0..{n - 1})")
-    return int(root_rank)
+    if eng is None or eng.ranks is None:
+        return int(root_rank)
+    if root_rank not in eng.ranks:
+        raise ValueError(f"root_rank={root_rank} is not in process set {eng.set_id} (ranks "
+                         f"{', '.join(map(str, eng.ranks))}); root_rank is the global rank of "
+                         "one of its ranks")
+    return eng.ranks.index(root_rank)
 
 
-def broadcast_async(tensor: Any, root_rank: int, name: Optional[str] = None) -> Handle:
+def broadcast_async(tensor: Any, root_rank: int, name: Optional[str] = None,
+                    process_set: ProcessSet = global_process_set) -> Handle:
+    return _broadcast(tensor, root_rank, name, process_set, None)
+
+
+def broadcast_async_(tensor: Any, root_rank: int, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> Handle:
+    return _broadcast(tensor, root_rank, name, process_set, tensor)
+
+
+def _broadcast(tensor: Any, root_rank: int, name: Optional[str], process_set: Any, out: Any) -> Handle:
     dtype, shape, device = check_tensor(tensor, "broadcast")
-    ann = Ann(request_name("broadcast", name), "broadcast", dtype, shape, root=check_root(root_rank), device=device)
-    return engine().submit(ann, tensor)
+    eng = engine_of(process_set)
+    ann = Ann(request_name("broadcast", name, eng), "broadcast", dtype, shape,
+              root=check_root(root_rank, eng), device=device)
+    return eng.submit(ann, tensor, out=out)
 
 
-def broadcast_async_(tensor: Any, root_rank: int, name: Optional[str] = None) -> Handle:
-    dtype, shape, device = check_tensor(tensor, "broadcast")
-    ann = Ann(request_name("broadcast", name), "broadcast", dtype, shape, root=check_root(root_rank), device=device)
-    return engine().submit(ann, tensor, out=tensor)
-
-
-def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None) -> Any:
+def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None,
+              process_set: ProcessSet = global_process_set) -> Any:
     """Every rank gets a copy of ``root_rank``'s tensor (shapes and dtypes must match).
 
     Example, 2 ranks::
 
         rank 0: broadcast(np.array([1, 2]), root_rank=0)  -> [1, 2]
         rank 1: broadcast(np.array([0, 0]), root_rank=0)  -> [1, 2]
+
+    With ``process_set``, ``root_rank`` is still the global rank of one of its ranks.
     """
-    return broadcast_async(tensor, root_rank, name).wait()
+    return broadcast_async(tensor, root_rank, name, process_set).wait()
 
 
-def broadcast_(tensor: Any, root_rank: int, name: Optional[str] = None) -> Any:
+def broadcast_(tensor: Any, root_rank: int, name: Optional[str] = None,
+               process_set: ProcessSet = global_process_set) -> Any:
     """In-place :func:`broadcast`: ``tensor`` is overwritten with the root's values."""
-    return broadcast_async_(tensor, root_rank, name).wait()
+    return broadcast_async_(tensor, root_rank, name, process_set).wait()
 
 
 # ---------------------------------------------------------------- alltoall
 
-def alltoall_async(tensor: Any, splits: Any = None, name: Optional[str] = None) -> Handle:
+def alltoall_async(tensor: Any, splits: Any = None, name: Optional[str] = None,
+                   process_set: ProcessSet = global_process_set) -> Handle:
     dtype, shape, device = check_tensor(tensor, "alltoall")
-    n = _require().size
+    eng = engine_of(process_set)
+    n = eng.size
     if shape == ():
         raise ValueError("alltoall needs a tensor with at least one dimension")
     if splits is None:
@@ -208,12 +250,13 @@ def alltoall_async(tensor: Any, splits: Any = None, name: Optional[str] = None) 
         recv = np.asarray(received, dtype=np.int32)
         return result, ops.wrap_like(recv, "int32", like) if ops.is_torch(like) else recv
 
-    ann = Ann(request_name("alltoall", name), "alltoall", dtype, shape, device=device, splits=sp)
-    handle = engine().submit(ann, tensor, post=post)
-    return handle
+    ann = Ann(request_name("alltoall", name, eng), "alltoall", dtype, shape, device=device,
+              splits=sp)
+    return eng.submit(ann, tensor, post=post)
 
 
-def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None) -> Any:
+def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None,
+             process_set: ProcessSet = global_process_set) -> Any:
     """Send ``splits[j]`` rows of ``tensor`` to rank j (equal shares when ``splits`` is None)
     and concatenate what every rank sent here. With ``splits`` given, returns
     ``(output, received_splits)``, as Horovod does.
@@ -223,26 +266,29 @@ def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None) -> Any
         rank 0: alltoall(np.array([1, 2]))  -> [1, 3]
         rank 1: alltoall(np.array([3, 4]))  -> [2, 4]
     """
-    return alltoall_async(tensor, splits, name).wait()
+    return alltoall_async(tensor, splits, name, process_set).wait()
 
 
 # ---------------------------------------------------------------- reducescatter
 
 def reducescatter_async(tensor: Any, name: Optional[str] = None, op: Any = Average,
-                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                        process_set: ProcessSet = global_process_set) -> Handle:
     dtype, shape, device = check_tensor(tensor, "reducescatter")
     if shape == ():
         raise ValueError("reducescatter needs a tensor with at least one dimension")
     op = ops.to_op(op)
     ops.check_op_dtype(op, dtype)
-    ann = Ann(request_name("reducescatter", name), "reducescatter", dtype, shape, int(op), -1,
-              scale_factor(prescale_factor, "prescale_factor"), scale_factor(postscale_factor, "postscale_factor"),
-              device)
-    return engine().submit(ann, tensor)
+    eng = engine_of(process_set)
+    ann = Ann(request_name("reducescatter", name, eng), "reducescatter", dtype, shape,
+              int(op), -1, scale_factor(prescale_factor, "prescale_factor"),
+              scale_factor(postscale_factor, "postscale_factor"), device)
+    return eng.submit(ann, tensor)
 
 
 def reducescatter(tensor: Any, name: Optional[str] = None, op: Any = Average,
-                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                  process_set: ProcessSet = global_process_set) -> Any:
     """Reduce over all ranks, then give each rank its share of the first dimension
     (equal shares; the first ranks get one more row when it does not divide).
 
@@ -251,14 +297,16 @@ def reducescatter(tensor: Any, name: Optional[str] = None, op: Any = Average,
         rank 0: reducescatter(np.array([1, 2, 3]), op=hvd.Sum)  -> [2, 4]
         rank 1: reducescatter(np.array([1, 2, 3]), op=hvd.Sum)  -> [6]
     """
-    return reducescatter_async(tensor, name, op, prescale_factor, postscale_factor).wait()
+    return reducescatter_async(tensor, name, op, prescale_factor, postscale_factor, process_set).wait()
 
 
 # ---------------------------------------------------------------- barrier, join
 
-def barrier(name: Optional[str] = None) -> None:
-    """Return once every rank has called barrier (ranks that joined count as arrived)."""
-    engine().submit(Ann(request_name("barrier", name), "barrier"), None).wait()
+def barrier(name: Optional[str] = None, process_set: ProcessSet = global_process_set) -> None:
+    """Return once every rank (of ``process_set``) has called barrier (ranks that joined
+    count as arrived)."""
+    eng = engine_of(process_set)
+    eng.submit(Ann(request_name("barrier", name, eng), "barrier"), None).wait()
 
 
 def join() -> int:
@@ -269,7 +317,8 @@ def join() -> int:
 
 # ---------------------------------------------------------------- objects
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None) -> Any:
+def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
     """Every rank gets ``root_rank``'s picklable object.
 
     Example, 2 ranks::
@@ -277,19 +326,21 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None) -
         rank 0: broadcast_object({"lr": 0.1})  -> {"lr": 0.1}
         rank 1: broadcast_object(None)         -> {"lr": 0.1}
     """
-    st = _require()
-    root = check_root(root_rank)
-    if st.rank == root:
+    eng = engine_of(process_set)
+    root = check_root(root_rank, eng)
+    if eng.rank == root:
         data = np.frombuffer(_dumps(obj), dtype=np.uint8)
         shape: Optional[tuple] = data.shape
     else:
         data, shape = np.empty(0, dtype=np.uint8), None
-    ann = Ann(request_name("broadcast_object", name), "broadcast_object", "uint8", shape, root=root, obj=True)
-    raw = engine().submit(ann, data).wait()
-    return obj if st.rank == root else pickle.loads(raw.tobytes())
+    ann = Ann(request_name("broadcast_object", name, eng), "broadcast_object", "uint8",
+              shape, root=root, obj=True)
+    raw = eng.submit(ann, data).wait()
+    return obj if eng.rank == root else pickle.loads(raw.tobytes())
 
 
-def allgather_object(obj: Any, name: Optional[str] = None) -> list:
+def allgather_object(obj: Any, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> list:
     """List of every rank's picklable object, in rank order.
 
     Example, 2 ranks::
@@ -298,8 +349,9 @@ def allgather_object(obj: Any, name: Optional[str] = None) -> list:
         rank 1: allgather_object("b")  -> ["a", "b"]
     """
     data = np.frombuffer(_dumps(obj), dtype=np.uint8)
-    ann = Ann(request_name("allgather_object", name), "allgather", "uint8", data.shape)
-    return engine().submit(ann, data, post=_split_objects).wait()
+    eng = engine_of(process_set)
+    ann = Ann(request_name("allgather_object", name, eng), "allgather", "uint8", data.shape)
+    return eng.submit(ann, data, post=_split_objects).wait()
 
 
 def _dumps(obj: Any) -> bytes:

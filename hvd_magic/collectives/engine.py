@@ -43,13 +43,23 @@ from .waiting import INLINE_SPIN_S, next_cycle_in, tight_timer_slack, wait_reque
 class Engine:
     """Background negotiation and execution for one rank."""
 
-    def __init__(self, comm: MPI.Comm, config: Config, timeline: Timeline):
+    def __init__(self, comm: MPI.Comm, config: Config, timeline: Timeline,
+                 ranks: Optional[list] = None, set_id: int = 0):
+        """``ranks``: the hvd rank of each rank of ``comm`` (for messages), when it runs a
+        process set (``set_id`` > 0)."""
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.cfg = config
         self.tl = timeline
-        self.neg = Negotiator(self.size)
+        self.set_id = set_id
+        self.ranks = ranks           # a process set's hvd ranks, in this communicator's order
+        self.noname: dict = {}       # a process set's counters of unnamed calls, per kind
+        self.me = ranks[self.rank] if ranks else self.rank     # this rank as messages name it
+        self.where = f" in process set {set_id}" if set_id else ""
+        # (timeline events travel to rank 0's file with the global set's cycles only)
+        self._events = timeline.take if set_id == 0 else tuple
+        self.neg = Negotiator(self.size, ranks if set_id else None)
         self.codec = AnnCodec(self.size, self.rank, cap=config.cache_capacity)
         self._codec_resets = 0
         self._sent: list = []        # the Anns of this rank's latest message
@@ -80,19 +90,20 @@ class Engine:
         self._ended = False
         self.inline = env.get("HVD_MAGIC_INLINE")
         self.wire = SlotExchange(comm, SLOT)
-        self.stall = StallCheck(config.stall_check_s, config.stall_shutdown_s, self.rank)
+        self.stall = StallCheck(config.stall_check_s, config.stall_shutdown_s, self.me, self.where,
+                                self.rank == 0)
         self._next_tick = 0.0
         self._empty_streak = 0
         self._in_cycle_since = 0.0
         self.cycles = 0
         self.writer: Optional[TimelineWriter] = None
         self.executor = Executor(comm, config, timeline, self._inflight, self._cancelled,
-                                 self._take, self._take_join)
+                                 self._take, self._take_join, self.me, set_id)
         self._execute = self.executor.execute
         self.mpi_backend = self.executor.mpi_backend
         # CPU tensors this big are reduced alone, never fused (plan_fusion)
         self._alone = config.allreduce_chunk if config.cpu_operations == "mpi" else 0
-        self.thread = threading.Thread(target=self._main, name=f"hvd_magic-engine-{self.rank}",
+        self.thread = threading.Thread(target=self._main, name=f"hvd_magic-engine-{self.me}{'-set-%d' % set_id if set_id else ''}",
                                        daemon=True)
         self.thread.start()
 
@@ -108,7 +119,7 @@ class Engine:
                post: Optional[Callable[[Any, Any], Any]] = None, urgent: bool = False) -> Handle:
         """Queue one request; ``urgent`` (the caller waits right away) skips the cycle time."""
         if self.dead is not None or self._stop_requested:
-            raise ShutdownError(f"the hvd_magic runtime on rank {self.rank} has stopped "
+            raise ShutdownError(f"the hvd_magic runtime on rank {self.me}{self.where} has stopped "
                                 f"({self.dead or 'shutdown() was called'}); call hvd.init() again")
         handle = Handle(ann.name, ann.kind, self, post)
         req = LocalReq(ann, tensor, handle, out)
@@ -171,7 +182,7 @@ class Engine:
 
     def raise_if_dead(self, name: str) -> None:
         if self.dead is not None and self.stopped.is_set():
-            raise HvdError(f"the hvd_magic runtime on rank {self.rank} stopped while "
+            raise HvdError(f"the hvd_magic runtime on rank {self.me}{self.where} stopped while "
                            f"'{name}' was pending: {self.dead}")
 
     def shutdown(self, timeout: float = 30.0) -> bool:
@@ -193,7 +204,7 @@ class Engine:
         known = {i["name"] for i in out}
         for r in list(self._inflight.values()):
             if r.ann.name not in known:
-                out.append({"name": r.ann.name, "kind": r.ann.kind, "submitted_by": [self.rank],
+                out.append({"name": r.ann.name, "kind": r.ann.kind, "submitted_by": [self.me],
                             "missing_ranks": None, "waiting_s": round(now - r.t_submit, 3)})
         return out
 
@@ -205,9 +216,9 @@ class Engine:
         except BaseException as exc:  # noqa: BLE001 - report anything, then fail pending work
             self.dead = exc
             import traceback
-            sys.stderr.write(f"[hvd_magic rank {self.rank}] engine thread failed:\n"
+            sys.stderr.write(f"[hvd_magic rank {self.me}{self.where}] engine thread failed:\n"
                              + "".join(traceback.format_exception(exc)))
-            self._fail_all(HvdError(f"hvd_magic's engine thread on rank {self.rank} failed: {exc!r}"))
+            self._fail_all(HvdError(f"hvd_magic's engine thread on rank {self.me}{self.where} failed: {exc!r}"))
         finally:
             self._ended = True
             if self.dead is None:
@@ -280,7 +291,7 @@ class Engine:
         shut, self._shutdown_announce = self._shutdown_announce, False
         self._sent = anns = [r.ann for r in new]
         # (tuple.__new__: the namedtuple constructor's argument handling costs ~0.3 us)
-        return _tuple_new(RankMsg, (self.codec.encode(anns), cancels, join, shut, self.tl.take()))
+        return _tuple_new(RankMsg, (self.codec.encode(anns), cancels, join, shut, self._events()))
 
     def _loop(self) -> None:
         lock = self._cycle_lock

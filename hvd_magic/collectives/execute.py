@@ -30,15 +30,20 @@ class Executor:
     ``inflight`` (name -> :class:`LocalReq`) and ``cancelled`` (names whose requests the
     stall check cancelled) are the engine's own table and set, shared, not copied;
     ``take(name)`` removes a request from the table (and forgets its cancel);
-    ``take_join()`` removes this rank's pending join handle (or returns None)."""
+    ``take_join()`` removes this rank's pending join handle (or returns None); ``me``: this
+    rank's hvd rank; ``set_id``: the process set it runs (errors name both; only the global
+    set, 0, sends device tensors through torch.distributed)."""
 
     def __init__(self, comm: MPI.Comm, config: Config, timeline: Timeline, inflight: dict,
                  cancelled: set, take: Callable[[str], Optional[LocalReq]],
-                 take_join: Callable[[], Optional[Handle]]):
+                 take_join: Callable[[], Optional[Handle]], me: int = -1, set_id: int = 0):
         from .backends.mpi import MPIBackend
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
+        self.where = f" in process set {set_id}" if set_id else ""
+        self.who = f"rank {self.rank if me < 0 else me}{self.where}"
+        self.tag = f" (process set {set_id})" if set_id else ""
         self.tl = timeline
         self.cpu_mpi = config.cpu_operations == "mpi"
         self.mpi_backend = MPIBackend(comm, timeline, config.allreduce_chunk)
@@ -52,6 +57,10 @@ class Executor:
         if device == "cpu" and self.cpu_mpi:
             return self.mpi_backend
         if self._torch_backend is None:
+            if self.where:
+                raise HvdError("process sets other than the global one run on CPU tensors over "
+                               "MPI only in hvd_magic; use hvd.global_process_set for "
+                               f"{device} tensors")
             from .backends.torch_dist import TorchBackend
             self._torch_backend = TorchBackend(self.comm, self.tl)
         return self._torch_backend
@@ -105,7 +114,7 @@ class Executor:
             err = None
         except Exception as exc:  # noqa: BLE001
             names = ", ".join(r.name for r in responses)
-            err = HvdError(f"allreduce of {names} failed on rank {self.rank}: {exc!r}")
+            err = HvdError(f"allreduce of {names} failed on {self.who}: {exc!r}")
         for req in reqs:
             if req is not None:
                 req.handle.resolve(req.result, err)
@@ -133,7 +142,7 @@ class Executor:
         req = self._take(resp.name)
         if resp.error is not None:
             if req is not None:
-                req.handle.resolve(error=_ERRORS.get(resp.error_kind, HvdError)(resp.error))
+                req.handle.resolve(error=_ERRORS.get(resp.error_kind, HvdError)(resp.error + self.tag))
             return False
         if self.tl.active:
             self._queue_events([(req, resp.first)], decided)
@@ -156,7 +165,7 @@ class Executor:
                 raise HvdError(f"unknown operation {kind!r}")
             err = None
         except Exception as exc:  # noqa: BLE001
-            err = HvdError(f"{resp.kind} of tensor '{resp.name}' failed on rank {self.rank}: {exc!r}")
+            err = HvdError(f"{resp.kind} of tensor '{resp.name}' failed on {self.who}: {exc!r}")
         if req is not None:
             req.handle.resolve(req.result, err)
         return False

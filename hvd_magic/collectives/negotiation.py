@@ -148,10 +148,12 @@ def check_agreement(kind: str, name: str, anns: dict) -> Optional[str]:
 class Negotiator:
     """Replicated table of requests that some but not all ranks have submitted."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, names: Optional[list] = None):
+        """``names``: how messages name each rank (a process set's hvd ranks); default 0..size-1."""
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size}")
         self.size = size
+        self.names = names
         self.pending: dict[str, Pending] = {}     # insertion order = decision order
         self.joined: list[int] = []               # ranks in join(), in the order they joined
         self.shut: set[int] = set()
@@ -189,7 +191,8 @@ class Negotiator:
                 if rank in p.anns:
                     # Cannot happen with a well-behaved engine (names in flight are refused locally).
                     out.append(Response(ann.name, ann.kind, {rank: ann}, error=(
-                        f"tensor '{ann.name}' was submitted twice by rank {rank}"), error_kind="mismatch"))
+                        f"tensor '{ann.name}' was submitted twice by rank {self._name(rank)}"),
+                        error_kind="mismatch"))
                     continue
                 p.anns[rank] = ann
             if msg.join and rank not in self.joined:
@@ -258,7 +261,7 @@ class Negotiator:
         for i, name in enumerate(names):
             anns = {r: msgs[r].anns[i] for r in ranks}
             first = m0.anns[i]
-            err = check_agreement(first.kind, name, anns)
+            err = check_agreement(first.kind, name, self._named(anns))
             if err:
                 out.append(Response(name, first.kind, anns, error=err, error_kind="mismatch"))
                 continue
@@ -274,25 +277,25 @@ class Negotiator:
         gone = [r for r in missing if r in self.shut]
         if gone:
             return Response(p.name, first.kind, p.anns, error=(
-                f"{first.kind} of tensor '{p.name}' cannot complete: rank(s) {_ranks(gone)} "
+                f"{first.kind} of tensor '{p.name}' cannot complete: rank(s) {_ranks(map(self._name, gone))} "
                 "called shutdown() without submitting it"), error_kind="shutdown")
         if missing:
             return None
-        err = check_agreement(first.kind, p.name, p.anns)
+        err = check_agreement(first.kind, p.name, self._named(p.anns))
         if err:
             return Response(p.name, first.kind, p.anns, joined=joined, error=err, error_kind="mismatch")
         part_joined = frozenset(r for r in joined if r not in p.anns)
         if part_joined and first.kind not in ("allreduce", "allgather", "barrier"):
             return Response(p.name, first.kind, p.anns, joined=part_joined, error=(
                 f"{first.kind} of tensor '{p.name}' cannot run while rank(s) "
-                f"{_ranks(sorted(part_joined))} have joined; only allreduce, allgather and "
+                f"{_ranks(map(self._name, sorted(part_joined)))} have joined; only allreduce, allgather and "
                 "barrier continue after hvd.join()"), error_kind="joined")
         if first.kind == "alltoall":
             bad = {r: a.splits for r, a in p.anns.items() if a.splits is not None and len(a.splits) != self.size}
             if bad:
                 return Response(p.name, first.kind, p.anns, error=(
                     f"alltoall of tensor '{p.name}': splits must have one entry per rank "
-                    f"({self.size}): {group_ranks(bad)}"), error_kind="mismatch")
+                    f"({self.size}): {group_ranks(self._named(bad))}"), error_kind="mismatch")
         return Response(p.name, first.kind, p.anns, joined=part_joined)
 
     def stalled(self, now: float, older_than: float) -> list:
@@ -304,6 +307,14 @@ class Negotiator:
                 missing = [r for r in range(self.size) if r not in p.anns and r not in joined]
                 if missing:
                     out.append(StallInfo(p.name, next(iter(p.anns.values())).kind,
-                                         sorted(p.anns), missing, p.since))
+                                         [self._name(r) for r in sorted(p.anns)],
+                                         [self._name(r) for r in missing], p.since))
         return out
+
+    def _name(self, rank: int) -> int:
+        return rank if self.names is None else self.names[rank]
+
+    def _named(self, per_rank: dict) -> dict:
+        """``per_rank`` keyed as messages name the ranks."""
+        return per_rank if self.names is None else {self.names[r]: v for r, v in per_rank.items()}
 

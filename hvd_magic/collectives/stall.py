@@ -17,8 +17,12 @@ from .negotiation import StallInfo
 
 
 class StallCheck:
-    def __init__(self, check_s: float, shutdown_s: float, rank: int) -> None:
-        self.check, self.kill, self.rank = check_s, shutdown_s, rank
+    def __init__(self, check_s: float, shutdown_s: float, rank: int, where: str = "",
+                 lead: Optional[bool] = None) -> None:
+        """``rank``: this rank as messages name it; ``where``: which process set, in words
+        (" in process set 1"); ``lead``: this rank warns for everyone (default: rank 0)."""
+        self.check, self.kill, self.rank, self.where = check_s, shutdown_s, rank, where
+        self.lead = rank == 0 if lead is None else lead
         self.last_warn = 0.0
         limits = [x for x in (check_s, shutdown_s) if x > 0]
         self.first = min(limits) if limits else 0.0
@@ -30,20 +34,20 @@ class StallCheck:
         return bool(in_cycle_since) and now - in_cycle_since > self.first
 
     def warn_due(self, now: float, stuck: bool) -> bool:
-        return self.check > 0 and now - self.last_warn >= self.check and (self.rank == 0 or stuck)
+        return self.check > 0 and now - self.last_warn >= self.check and (self.lead or stuck)
 
     def warn(self, now: float, infos: list, mine: Iterable, in_cycle_since: float) -> None:
         """Write one warning for the stalled requests ``infos`` and, while this rank is
         stuck, for this rank's own requests ``mine`` that waited the check time."""
         lines = [i.describe(now) for i in infos]
         lines += [f"{r.ann.kind} of tensor '{r.ann.name}' has waited {now - r.t_submit:.1f} s "
-                  f"on rank {self.rank}; other ranks have not negotiated for "
+                  f"on rank {self.rank}{self.where}; other ranks have not negotiated for "
                   f"{now - in_cycle_since:.1f} s" for r in mine if now - r.t_submit >= self.check]
         if not lines:
             return
         self.last_warn = now
         sys.stderr.write(
-            f"[hvd_magic rank {self.rank}] WARNING: stall: one or more tensors were submitted "
+            f"[hvd_magic rank {self.rank}] WARNING: stall{self.where}: one or more tensors were submitted "
             f"by some ranks and have waited more than {self.check:g} s for the others. Ranks that "
             "submit different tensors, or only some ranks submitting, cause this.\n  "
             + "\n  ".join(lines) + "\n")
@@ -68,7 +72,7 @@ class StallCheck:
 
     def local_error(self, r, now: float, in_cycle_since: float) -> StallError:
         return StallError(
-            f"{r.ann.kind} of tensor '{r.ann.name}' was submitted on rank {self.rank} but the "
+            f"{r.ann.kind} of tensor '{r.ann.name}' was submitted on rank {self.rank}{self.where} but the "
             f"other ranks have not taken part in negotiation for {now - in_cycle_since:.1f} s "
             f"(HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={self.kill:g}); check that every rank runs the "
             "same collectives")

@@ -5,7 +5,8 @@ import atexit
 import importlib.util
 import sys
 import threading
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from .. import config as env
@@ -24,6 +25,17 @@ class _State:
     cross_rank: int = 0
     cross_size: int = 1
     threads: bool = False
+    config: Any = None
+    control: Any = None       # for registering process sets (user thread only)
+    sets: dict = field(default_factory=dict)    # process set id -> its ranks and engine
+    next_set_id: int = 1
+    dynamic: bool = False     # process sets may be added and removed after init
+
+    def make_engine(self, comm: Any, ranks: list, set_id: int) -> Any:
+        """An engine for a process set on ``comm`` (its members only)."""
+        from .engine import Engine
+        cfg = dataclasses.replace(self.config, cpu_operations="mpi")
+        return Engine(comm, cfg, self.timeline, ranks=ranks, set_id=set_id)
 
 
 _state = _State()
@@ -35,8 +47,8 @@ def _mpi():
     return MPI
 
 
-def init(comm: Optional[Any] = None) -> None:
-    """Start the runtime on this rank. Call on every rank (of ``comm``) before any collective.
+def start(comm: Optional[Any] = None) -> bool:
+    """Start the runtime on this rank (``hvd.init``); False when it runs already.
 
     ``comm`` may be an mpi4py communicator, or a list of world ranks to train on a subset
     (only the ranks in the list call ``init``). Calling ``init`` again while initialized
@@ -44,7 +56,7 @@ def init(comm: Optional[Any] = None) -> None:
     """
     with _lock:
         if _state.engine is not None and _state.engine.dead is None:
-            return
+            return False
         MPI = _mpi()
         world = MPI.COMM_WORLD
         if comm is None:
@@ -96,6 +108,9 @@ def init(comm: Optional[Any] = None) -> None:
         _state.threads = MPI.Query_thread() == MPI.THREAD_MULTIPLE
         local.Free()
         cross.Free()
+        _state.config = cfg
+        _state.control = base.Dup()
+        _state.sets, _state.next_set_id = {}, 1
         _state.timeline = tl
         if cfg.timeline:
             tl.recording = True
@@ -104,6 +119,7 @@ def init(comm: Optional[Any] = None) -> None:
         if cfg.timeline and _state.rank == 0:
             engine.writer = TimelineWriter(cfg.timeline, cfg.timeline_mark_cycles)
         _state.engine = engine
+        return True
 
 
 def _set_switch_interval() -> None:
@@ -128,9 +144,14 @@ def shutdown(timeout: Optional[float] = None) -> None:
             return
         if timeout is None:
             timeout = env.get("HVD_MAGIC_SHUTDOWN_TIMEOUT")
+        for entry in _state.sets.values():       # process sets first, each among its ranks
+            if entry.engine is not None and entry.engine.shutdown(timeout):
+                entry.engine.comm.Free()
+        _state.sets = {}
         finished = engine.shutdown(timeout)
         if finished:
             engine.comm.Free()
+            _state.control.Free()
         else:
             import sys
             sys.stderr.write(f"[hvd_magic rank {_state.rank}] shutdown: the other ranks did not call "
