@@ -7,8 +7,9 @@ from .api import (allgather, allgather_async, allgather_object, allreduce, allre
                   broadcast, broadcast_, broadcast_async, broadcast_async_, broadcast_object,
                   join, pending, poll, reducescatter, reducescatter_async, start_timeline,
                   stop_timeline, subscribe, synchronize)
-from .grouped import (grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
-                      grouped_allreduce_async_)
+from .grouped import (grouped_allgather, grouped_allgather_async, grouped_allreduce,
+                      grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_,
+                      grouped_reducescatter, grouped_reducescatter_async)
 from .handles import GroupHandle, Handle
 from .errors import (HorovodInternalError, HvdError, JoinedRankError, ShutdownError, StallError,
                      TensorMismatchError)

@@ -1,17 +1,22 @@
-"""Grouped allreduce: many tensors negotiated and reduced as one request per (dtype,
-device, framework) group, packed into one flat buffer and handed back as views (or copied
-into the inputs, in place). The results are those of ``allreduce`` on each tensor."""
+"""Grouped collectives. Grouped allreduce: many tensors negotiated and reduced as one
+request per (dtype, device, framework) group, packed into one flat buffer and handed back as
+views (or copied into the inputs, in place). Grouped allgather / reducescatter: one request
+per tensor (``name.0``, ``name.1``, ...), all submitted before any is waited on, so they
+are negotiated in the same cycle. The results are those of the single op on each tensor."""
 from __future__ import annotations
 
 import itertools
 import math
 import operator
+import time
 from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from . import ops
-from .api import check_tensor, request_name, scale_factor, submit_allreduce
+from .api import (allgather_async, allgather_object, check_tensor, reducescatter_async,
+                  request_name, scale_factor, submit_allreduce)
+from .errors import HvdError
 from .handles import GroupHandle, Handle
 from .negotiation import Ann
 from .ops import Average
@@ -144,3 +149,112 @@ def grouped_allreduce_(tensors: Sequence[Any], name: Optional[str] = None, op: A
                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
     """In-place :func:`grouped_allreduce`: each tensor holds its result."""
     return _grouped(tensors, name, op, prescale_factor, postscale_factor, True, True).wait()
+
+
+# ---------------------------------------------------------------- grouped allgather, reducescatter
+
+def _check_list(tensors: Any, what: str) -> None:
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"{what} takes a list of tensors, not {type(tensors).__name__}")
+    if not tensors:
+        raise ValueError(f"{what} got an empty list; pass at least one tensor "
+                         "(every rank the same number, in the same order)")
+
+
+class _Members:
+    """GroupHandle part: one request per tensor, waited on together. A member that failed on
+    every rank (an HvdError) is raised once the others have finished."""
+
+    def __init__(self, handles: list):
+        self.handles = handles
+
+    def done(self) -> bool:
+        return all(h.done() for h in self.handles)
+
+    def wait(self, timeout: Optional[float] = None) -> list:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        out: list = []
+        error: Optional[BaseException] = None
+        for h in self.handles:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                out.append(h.wait(left))
+            except HvdError as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+        return out
+
+
+def _group(handles: list) -> GroupHandle:
+    return GroupHandle([(_Members(handles), list(range(len(handles))))], len(handles))
+
+
+def _submit_allgathers(tensors: Sequence[Any], name: Optional[str]) -> list:
+    _check_list(tensors, "grouped_allgather")
+    for t in tensors:        # every tensor checked before any request goes out
+        check_tensor(t, "grouped_allgather")
+    base = request_name("grouped_allgather", name)
+    return [allgather_async(t, name=f"{base}.{i}") for i, t in enumerate(tensors)]
+
+
+def grouped_allgather_async(tensors: Sequence[Any], name: Optional[str] = None) -> GroupHandle:
+    """Start a grouped allgather; ``synchronize(handle)`` returns the list of results."""
+    return _group(_submit_allgathers(tensors, name))
+
+
+def grouped_allgather(tensors: Sequence[Any], name: Optional[str] = None) -> list:
+    """:func:`allgather` of each tensor in the list (its first dimension may differ by rank),
+    negotiated together: tensor ``i`` travels as ``f"{name}.{i}"``.
+
+    Example, 2 ranks::
+
+        rank 0: grouped_allgather([np.array([1]), np.array([[1, 2]])])  -> [[1, 2, 3], [[1, 2], [3, 4]]]
+        rank 1: grouped_allgather([np.array([2, 3]), np.array([[3, 4]])]) -> [[1, 2, 3], [[1, 2], [3, 4]]]
+    """
+    return grouped_allgather_async(tensors, name).wait()
+
+
+def grouped_allgather_rows(tensors: Sequence[Any], name: Optional[str] = None) -> tuple:
+    """:func:`grouped_allgather`, plus each tensor's rows per rank (for the faces' gradients):
+    ``(results, [[rows of rank 0, rows of rank 1, ...] per tensor])``."""
+    handles = _submit_allgathers(tensors, name)
+    out = _Members(handles).wait()
+    rows = [h.extra for h in handles]
+    if any(r is None for r in rows):   # the backend did not report rows per rank: ask
+        firsts = allgather_object([int(t.shape[0]) if len(t.shape) else 1 for t in tensors])
+        rows = [[f[i] for f in firsts] for i in range(len(tensors))]
+    return out, [[int(x) for x in r] for r in rows]
+
+
+def grouped_reducescatter_async(tensors: Sequence[Any], name: Optional[str] = None, op: Any = Average,
+                                prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> GroupHandle:
+    """Start a grouped reducescatter; ``synchronize(handle)`` returns the list of results."""
+    _check_list(tensors, "grouped_reducescatter")
+    op_ = ops.to_op(op)
+    for i, t in enumerate(tensors):   # every tensor checked before any request goes out
+        dtype, shape, _ = check_tensor(t, "grouped_reducescatter")
+        if shape == ():
+            raise ValueError(f"grouped_reducescatter needs tensors with at least one dimension; "
+                             f"tensor {i} is 0-d (reshape it to (1,))")
+        ops.check_op_dtype(op_, dtype)
+    pre = scale_factor(prescale_factor, "prescale_factor")
+    post = scale_factor(postscale_factor, "postscale_factor")
+    base = request_name("grouped_reducescatter", name)
+    return _group([reducescatter_async(t, name=f"{base}.{i}", op=op_, prescale_factor=pre,
+                                       postscale_factor=post) for i, t in enumerate(tensors)])
+
+
+def grouped_reducescatter(tensors: Sequence[Any], name: Optional[str] = None, op: Any = Average,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
+    """:func:`reducescatter` of each tensor in the list, negotiated together: each rank gets
+    its share of every tensor's first dimension (the first ranks one more row when it does not
+    divide). Tensor ``i`` travels as ``f"{name}.{i}"``.
+
+    Example, 2 ranks, op=Sum::
+
+        rank 0: grouped_reducescatter([np.array([1, 2, 3]), np.ones((2, 2))], op=hvd.Sum) -> [[2, 4], [[2., 2.]]]
+        rank 1: grouped_reducescatter([np.array([1, 2, 3]), np.ones((2, 2))], op=hvd.Sum) -> [[6], [[2., 2.]]]
+    """
+    return grouped_reducescatter_async(tensors, name, op, prescale_factor, postscale_factor).wait()

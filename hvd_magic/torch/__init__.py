@@ -31,9 +31,11 @@ from .functions import (allgather_object, broadcast_object, broadcast_optimizer_
                         broadcast_parameters)
 from .mpi_ops import (allgather, allgather_async, allreduce, allreduce_, allreduce_async,
                       allreduce_async_, alltoall, alltoall_async, barrier, broadcast, broadcast_,
-                      broadcast_async, broadcast_async_, grouped_allreduce, grouped_allreduce_,
-                      grouped_allreduce_async, grouped_allreduce_async_, join, poll,
-                      reducescatter, reducescatter_async, synchronize)
+                      broadcast_async, broadcast_async_, grouped_allgather, grouped_allgather_async,
+                      grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
+                      grouped_allreduce_async_, grouped_reducescatter, grouped_reducescatter_async,
+                      join, poll, reducescatter, reducescatter_async, sparse_allreduce_async,
+                      synchronize)
 from .optimizer import DistributedOptimizer
 from hvd_magic.collectives import report  # live throughput for the %%hvd panel
 from .sync_batch_norm import SyncBatchNorm

@@ -1,12 +1,15 @@
 """Collectives on torch tensors with ``horovod.torch``'s signatures and autograd support.
 
 The out-of-place collectives (:func:`allreduce`, :func:`grouped_allreduce`,
-:func:`allgather`, :func:`broadcast`) are differentiable: their backward pass runs the
-matching collective on the gradient, so every rank must call ``backward`` too:
+:func:`allgather`, :func:`grouped_allgather`, :func:`broadcast`,
+:func:`grouped_reducescatter`) are differentiable: their backward pass runs the matching
+collective on the gradient, so every rank must call ``backward`` too:
 
 - allreduce: the gradient is allreduced with the same op and scale factors;
 - allgather: the gradient is Sum-allreduced and each rank keeps its own rows;
-- broadcast: the gradient is Sum-allreduced; the root keeps it, other ranks get zeros.
+- broadcast: the gradient is Sum-allreduced; the root keeps it, other ranks get zeros;
+- grouped_reducescatter (Average or Sum): the gradient is allgathered and scaled like the
+  forward pass (divided by the number of ranks for Average).
 
 The in-place twins (``allreduce_``, ``broadcast_``, ``*_async_``) are not differentiable.
 """
@@ -18,7 +21,8 @@ import torch
 
 import hvd_magic.collectives as C
 from hvd_magic.collectives import Average, Handle, Sum
-from hvd_magic.collectives.ops import resolve_op
+from hvd_magic.collectives.grouped import grouped_allgather_rows
+from hvd_magic.collectives.ops import resolve_op, to_op
 
 from .compression import Compression, Compressor
 
@@ -31,6 +35,14 @@ def _tensor(x: Any, fn: str) -> torch.Tensor:
         raise TypeError(f"hvd_magic.torch.{fn} takes a torch tensor, not {type(x).__name__}; "
                         "for numpy arrays use hvd_magic.collectives")
     return x
+
+
+def _tensors(xs: Any, fn: str) -> list:
+    if not isinstance(xs, (list, tuple)):
+        raise TypeError(f"hvd_magic.torch.{fn} takes a list of torch tensors, not {type(xs).__name__}")
+    if not xs:
+        raise ValueError(f"hvd_magic.torch.{fn} got an empty list; pass at least one tensor")
+    return [_tensor(x, fn) for x in xs]
 
 
 # ---------------------------------------------------------------- autograd functions
@@ -82,6 +94,38 @@ class _Allgather(torch.autograd.Function):
         start = sum(ctx.rows[:r])
         mine = g.narrow(0, start, ctx.rows[r])
         return (mine.reshape(()) if ctx.scalar else mine), None
+
+
+class _GroupedAllgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, *tensors):  # type: ignore[override]
+        outs, ctx.rows = grouped_allgather_rows([t.detach() for t in tensors], name)
+        ctx.scalars = [t.dim() == 0 for t in tensors]
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        summed = C.grouped_allreduce([g.contiguous() for g in grads], op=Sum)
+        r = C.rank()
+        mine = [g.narrow(0, sum(rows[:r]), rows[r]) for g, rows in zip(summed, ctx.rows)]
+        return (None, *[m.reshape(()) if s else m for m, s in zip(mine, ctx.scalars)])
+
+
+class _GroupedReducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, op, prescale, postscale, *tensors):  # type: ignore[override]
+        ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
+        return tuple(C.grouped_reducescatter([t.detach() for t in tensors], name=name, op=op,
+                                             prescale_factor=prescale, postscale_factor=postscale))
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        if ctx.op not in (Average, Sum):
+            raise ValueError(f"the gradient of grouped_reducescatter is only defined for op=hvd.Average "
+                             f"or hvd.Sum, not {ctx.op.name}; detach the inputs for other ops")
+        scale = float(ctx.prescale) * float(ctx.postscale) / (C.size() if ctx.op == Average else 1)
+        gathered = C.grouped_allgather([g.contiguous() for g in grads])
+        return (None, None, None, None, *[g * scale if scale != 1.0 else g for g in gathered])
 
 
 class _Broadcast(torch.autograd.Function):
@@ -203,6 +247,23 @@ def allgather_async(tensor: torch.Tensor, name: Optional[str] = None) -> Handle:
     return C.allgather_async(_tensor(tensor, "allgather_async"), name=name)
 
 
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None) -> list[torch.Tensor]:
+    """:func:`allgather` of every tensor of the list, negotiated together (tensor i is named
+    ``f"{name}.{i}"``); differentiable.
+
+    Example, 2 ranks::
+
+        rank 0: grouped_allgather([torch.tensor([1]), torch.tensor([5])])     -> [tensor([1, 2, 3]), tensor([5, 6])]
+        rank 1: grouped_allgather([torch.tensor([2, 3]), torch.tensor([6])])  -> [tensor([1, 2, 3]), tensor([5, 6])]
+    """
+    return list(_GroupedAllgather.apply(name, *_tensors(tensors, "grouped_allgather")))
+
+
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None) -> Any:
+    """Start :func:`grouped_allgather` (not differentiable); ``synchronize(handle)`` returns the list."""
+    return C.grouped_allgather_async(_tensors(tensors, "grouped_allgather_async"), name=name)
+
+
 def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> torch.Tensor:
     """Every rank gets a copy of ``root_rank``'s tensor (a new tensor); differentiable.
 
@@ -256,16 +317,89 @@ def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: An
                                  prescale_factor=prescale_factor, postscale_factor=postscale_factor)
 
 
+def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                          compression: type[Compressor] = Compression.none, op: Any = Average,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list[torch.Tensor]:
+    """:func:`reducescatter` of every tensor of the list, negotiated together (tensor i is
+    named ``f"{name}.{i}"``); differentiable for Average and Sum.
+
+    Example, 2 ranks, op=Sum::
+
+        rank 0: grouped_reducescatter([torch.tensor([1, 2, 3]), torch.ones(2)], op=hvd.Sum) -> [tensor([2, 4]), tensor([2.])]
+        rank 1: grouped_reducescatter([torch.tensor([1, 2, 3]), torch.ones(2)], op=hvd.Sum) -> [tensor([6]), tensor([2.])]
+    """
+    pairs = [compression.compress(t) for t in _tensors(tensors, "grouped_reducescatter")]
+    outs = _GroupedReducescatter.apply(name, to_op(op), prescale_factor, postscale_factor,
+                                       *[p[0] for p in pairs])
+    return [compression.decompress(o, p[1]) for o, p in zip(outs, pairs)]
+
+
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                                op: Any = Average, prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> Any:
+    """Start :func:`grouped_reducescatter` (not differentiable); ``synchronize(handle)`` returns the list."""
+    return C.grouped_reducescatter_async(_tensors(tensors, "grouped_reducescatter_async"), name=name,
+                                         op=op, prescale_factor=prescale_factor,
+                                         postscale_factor=postscale_factor)
+
+
+# ---------------------------------------------------------------- sparse allreduce
+
+class _SparseHandle:
+    """What :func:`sparse_allreduce_async` returns: ``synchronize(handle)``, or ``handle()``
+    as in Horovod, gives the sparse result."""
+
+    def __init__(self, size: torch.Size, indices: Handle, values: Handle, average: bool):
+        self.size, self.indices, self.values, self.average = size, indices, values, average
+
+    def done(self) -> bool:
+        return self.indices.done() and self.values.done()
+
+    def wait(self) -> torch.Tensor:
+        values, indices = self.values.wait(), self.indices.wait()
+        if self.average:
+            values = values / C.size()
+        return torch.sparse_coo_tensor(indices.t(), values, self.size, check_invariants=False)
+
+    __call__ = wait
+
+
+def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str], op: Any) -> _SparseHandle:
+    """Start an allreduce of a sparse COO tensor, as Horovod does it: every rank's indices and
+    values are allgathered (``name.indices``, ``name.values``) into one uncoalesced sparse
+    tensor (duplicate indices add up when used or coalesced); Average divides the values by
+    the number of ranks. ``synchronize(handle)`` or ``handle()`` gives the result.
+
+    Example, 2 ranks, op=Sum (dense view of the result)::
+
+        rank 0: sparse [0, 5, 0] -> [1, 5, 2]
+        rank 1: sparse [1, 0, 2] -> [1, 5, 2]
+    """
+    t = _tensor(tensor, "sparse_allreduce_async")
+    if t.layout != torch.sparse_coo:
+        raise TypeError(f"sparse_allreduce_async takes a sparse COO tensor, not a {t.layout} one; "
+                        "use allreduce_async for dense tensors")
+    op = to_op(op)
+    if op not in (Average, Sum):
+        raise ValueError(f"sparse_allreduce_async supports op=hvd.Average or hvd.Sum, not {op.name}: "
+                         "it allgathers the entries; densify with tensor.to_dense() for other ops")
+    base = name if name is not None else C.api.request_name("sparse_allreduce", None)
+    t = t.detach()
+    indices = C.allgather_async(t._indices().t().contiguous(), name=f"{base}.indices")
+    values = C.allgather_async(t._values().contiguous(), name=f"{base}.values")
+    return _SparseHandle(t.size(), indices, values, op == Average)
+
+
 # ---------------------------------------------------------------- handles, join, barrier
 
 def poll(handle: Handle) -> bool:
     """True once ``handle``'s operation has finished (never blocks)."""
-    return C.poll(handle)
+    return handle.done() if isinstance(handle, _SparseHandle) else C.poll(handle)
 
 
 def synchronize(handle: Handle) -> Any:
     """Wait for ``handle``'s operation and return its output tensor."""
-    return C.synchronize(handle)
+    return handle.wait() if isinstance(handle, _SparseHandle) else C.synchronize(handle)
 
 
 def join(device: int = -1) -> int:
