@@ -38,7 +38,10 @@ from hvd_magic.collectives import (Adasum, Average, HorovodInternalError, HvdErr
                                    size, start_timeline, stop_timeline)
 
 from .compression import Compression, Compressor  # noqa: E402
-from .functions import allgather_object, broadcast_object, broadcast_variables  # noqa: E402
+from .functions import (allgather_object, broadcast_, broadcast_object,  # noqa: E402
+                        broadcast_object_fn, broadcast_variables, cross_rank_op, cross_size_op,
+                        grouped_allgather, grouped_reducescatter, local_rank_op, local_size_op,
+                        rank_op, size_op)
 from .gradient_tape import DistributedGradientTape  # noqa: E402
 from .mpi_ops import (allgather, allreduce, alltoall, barrier, broadcast,  # noqa: E402
                       grouped_allreduce, join, reducescatter)

@@ -98,6 +98,18 @@ def collectives(run):
     mine = 3 if R == 0 else 2
     start = 0 if R == 0 else 3 + 2 * (R - 1)
     close("reducescatter", rs_out, N * base.numpy()[start:start + mine])
+    ga = run(lambda: hvd.grouped_allgather([tf.fill([R + 1, 2], R), tf.constant(float(R)),
+                                            tf.constant([R], tf.int64)]))
+    close("grouped_allgather uneven", ga[0], np.concatenate([np.full((r + 1, 2), r) for r in range(N)]))
+    close("grouped_allgather scalar", ga[1], np.arange(N))
+    close("grouped_allgather int64", ga[2], np.arange(N))
+    if ga[2].dtype != tf.int64:
+        FAILS.append(f"grouped_allgather int64: dtype {ga[2].dtype}")
+    grs = run(lambda: hvd.grouped_reducescatter([base, tf.cast(base, tf.int32)], op=hvd.Sum))
+    close("grouped_reducescatter", grs[0], N * base.numpy()[start:start + mine])
+    close("grouped_reducescatter int32", grs[1], N * base.numpy()[start:start + mine])
+    grs = run(lambda: hvd.grouped_reducescatter([base * (R + 1.0)], postscale_factor=2.0))
+    close("grouped_reducescatter average", grs[0], (N + 1) * base.numpy()[start:start + mine])
 
 
 @check("collectives eager")
@@ -143,6 +155,25 @@ def _():
         close("grad broadcast", c, [float(N) if R == 0 else 0.0] * 2)
         close("grad reducescatter", d, [N] * 2)
         close("grad alltoall", e, [tri] * 2)
+
+
+@check("grouped collective gradients")
+def _():
+    w = tf.Variable([1.0, 2.0])
+
+    def grads():
+        with tf.GradientTape(persistent=True) as tape:
+            ys = hvd.grouped_allgather([w * (R + 1.0), tf.cast(w, tf.float64) * R])
+            a = tf.reduce_sum(ys[0]) + tf.cast(tf.reduce_sum(ys[1]), tf.float32)
+            b = tf.reduce_sum(hvd.grouped_reducescatter([tf.stack([w] * N)], op=hvd.Sum)[0])
+            c = tf.reduce_sum(hvd.grouped_reducescatter([tf.stack([w] * N), tf.stack([w] * (N + 1))],
+                                                        prescale_factor=2.0)[1])
+        return [tape.gradient(t, w) for t in (a, b, c)]
+    for run in (grads, tf.function(grads)):
+        a, b, c = run()
+        close("grad grouped_allgather", a, [N * (2.0 * R + 1.0)] * 2)   # summed over ranks
+        close("grad grouped_reducescatter sum", b, [N] * 2)
+        close("grad grouped_reducescatter average", c, [2.0 * (N + 1) / N] * 2)
 
 
 # ---------------------------------------------------------------- gradient tape
@@ -316,6 +347,19 @@ def _():
         if "TensorMismatchError" not in str(exc) or "mismatch.graph" not in str(exc):
             FAILS.append(f"graph mismatch message: {exc}")
     close("usable after mismatch", hvd.allreduce(tf.ones([2])), [1.0, 1.0])
+    try:
+        hvd.grouped_allgather([tf.zeros([1, 2]), tf.zeros([1, R + 2])], name="mismatch.grouped")
+        FAILS.append("grouped_allgather shape mismatch did not raise")
+    except hvd.TensorMismatchError as exc:
+        if "'mismatch.grouped.1'" not in str(exc):
+            FAILS.append(f"grouped mismatch message lacks the member's name: {exc}")
+    try:
+        tf.function(lambda: hvd.grouped_reducescatter([tf.zeros([N + R])], name="mismatch.grs"))()
+        FAILS.append("graph grouped_reducescatter shape mismatch did not raise")
+    except tf.errors.OpError as exc:
+        if "TensorMismatchError" not in str(exc) or "mismatch.grs.0" not in str(exc):
+            FAILS.append(f"graph grouped mismatch message: {exc}")
+    close("usable after grouped mismatch", hvd.allreduce(tf.ones([2])), [1.0, 1.0])
     for bad, exc_type in [(lambda: hvd.allreduce("x"), TypeError),
                           (lambda: hk.DistributedOptimizer(object()), TypeError),
                           (lambda: hvd.DistributedGradientTape(tf.GradientTape(), op=hvd.Max), ValueError),
@@ -326,6 +370,32 @@ def _():
             FAILS.append(f"no {exc_type.__name__} from a bad call")
         except exc_type:
             pass
+
+
+# ---------------------------------------------------------------- broadcast_, rank ops
+@check("broadcast_ eager and tf.function, broadcast_object_fn")
+def _():
+    v = tf.Variable(tf.fill([3], float(R)))
+    i = tf.Variable([R, R], dtype=tf.int64)
+    out = hvd.broadcast_([v, i], root_rank=N - 1, name="bcast_.eager")
+    close("broadcast_ assigns", np.concatenate([v.numpy(), i.numpy()]), [N - 1.0] * 5)
+    close("broadcast_ returns", np.concatenate([out[0].numpy(), out[1].numpy()]), [N - 1.0] * 5)
+    v.assign(tf.fill([3], float(R)))
+    got = tf.function(lambda: hvd.broadcast_([v], root_rank=0))()
+    close("broadcast_ graph assigns", v.numpy(), [0.0] * 3)
+    close("broadcast_ graph returns", got[0], [0.0] * 3)
+    if hvd.broadcast_object_fn(root_rank=N - 1)({"r": R}) != {"r": N - 1}:
+        FAILS.append("broadcast_object_fn")
+
+
+@check("rank and size ops")
+def _():
+    want = [N, hvd.local_size(), hvd.cross_size(), R, hvd.local_rank(), hvd.cross_rank()]
+    names = ["size_op", "local_size_op", "cross_size_op", "rank_op", "local_rank_op", "cross_rank_op"]
+    for label, run in (("eager", lambda f: f()), ("tf.function", lambda f: tf.function(f)())):
+        got = [run(getattr(hvd, n)) for n in names]
+        if [int(g) for g in got] != want or any(g.dtype != tf.int32 for g in got):
+            FAILS.append(f"rank/size ops {label}: {got} != {want}")
 
 
 # ---------------------------------------------------------------- broadcast_variables, checkpoints
