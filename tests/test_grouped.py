@@ -22,22 +22,24 @@ E = inspect.Parameter.empty
 
 
 def test_torch_signatures_match_horovod():
-    assert params(hvd.grouped_allgather) == [("tensors", E), ("name", None)]
-    assert params(hvd.grouped_allgather_async) == [("tensors", E), ("name", None)]
+    PS = ("process_set", hvd.global_process_set)
+    assert params(hvd.grouped_allgather) == [("tensors", E), ("name", None), PS]
+    assert params(hvd.grouped_allgather_async) == [("tensors", E), ("name", None), PS]
     assert params(hvd.grouped_reducescatter) == [
         ("tensors", E), ("name", None), ("compression", hvd.Compression.none), ("op", hvd.Average),
-        ("prescale_factor", 1.0), ("postscale_factor", 1.0)]
+        PS, ("prescale_factor", 1.0), ("postscale_factor", 1.0)]
     assert params(hvd.grouped_reducescatter_async) == [
-        ("tensors", E), ("name", None), ("op", hvd.Average), ("prescale_factor", 1.0),
+        ("tensors", E), ("name", None), ("op", hvd.Average), PS, ("prescale_factor", 1.0),
         ("postscale_factor", 1.0)]
-    assert params(hvd.sparse_allreduce_async) == [("tensor", E), ("name", E), ("op", E)]
+    assert params(hvd.sparse_allreduce_async) == [("tensor", E), ("name", E), ("op", E), PS]
 
 
 def test_collectives_signatures():
-    assert params(C.grouped_allgather) == [("tensors", E), ("name", None)]
+    PS = ("process_set", C.global_process_set)
+    assert params(C.grouped_allgather) == [("tensors", E), ("name", None), PS]
     assert params(C.grouped_reducescatter_async) == [
         ("tensors", E), ("name", None), ("op", C.Average), ("prescale_factor", 1.0),
-        ("postscale_factor", 1.0)]
+        ("postscale_factor", 1.0), PS]
 
 
 def test_single_rank_collectives(one_rank):

@@ -16,7 +16,9 @@ broadcast_object allgather_object allreduce allreduce_ allreduce_async allreduce
 grouped_allreduce grouped_allreduce_ grouped_allreduce_async grouped_allreduce_async_ allgather
 allgather_async broadcast broadcast_ broadcast_async broadcast_async_ alltoall reducescatter
 Average Sum Adasum Min Max Product Compression DistributedOptimizer broadcast_parameters
-broadcast_optimizer_state SyncBatchNorm HorovodInternalError""".split()
+broadcast_optimizer_state SyncBatchNorm HorovodInternalError ProcessSet global_process_set
+add_process_set remove_process_set grouped_allgather grouped_allgather_async grouped_reducescatter
+grouped_reducescatter_async sparse_allreduce_async alltoall_async reducescatter_async""".split()
 
 
 def test_public_names():
@@ -28,11 +30,17 @@ def test_signatures_match_horovod():
     sig = inspect.signature
     ar = sig(hvd.allreduce).parameters
     assert list(ar) == ["tensor", "average", "name", "compression", "op", "prescale_factor",
-                        "postscale_factor"]
-    assert [ar[n].default for n in list(ar)[1:]] == [None, None, hvd.Compression.none, None, 1.0, 1.0]
+                        "postscale_factor", "process_set"]
+    assert [ar[n].default for n in list(ar)[1:]] == [None, None, hvd.Compression.none, None, 1.0, 1.0,
+                                                     hvd.global_process_set]
     assert list(sig(hvd.allreduce_async_).parameters) == ["tensor", "average", "name", "op",
-                                                          "prescale_factor", "postscale_factor"]
-    assert list(sig(hvd.broadcast).parameters) == ["tensor", "root_rank", "name"]
+                                                          "prescale_factor", "postscale_factor",
+                                                          "process_set"]
+    assert list(sig(hvd.broadcast).parameters) == ["tensor", "root_rank", "name", "process_set"]
+    assert list(sig(hvd.reducescatter).parameters) == ["tensor", "name", "compression", "op",
+                                                       "process_set", "prescale_factor",
+                                                       "postscale_factor"]
+    assert list(sig(hvd.barrier).parameters) == ["process_set"]
     params = list(sig(hvd.DistributedOptimizer).parameters.values())
     assert [p.name for p in params] == ["optimizer", "named_parameters", "compression",
                                         "backward_passes_per_step", "op",

@@ -20,7 +20,7 @@ from .errors import HvdError
 from .handles import GroupHandle, Handle
 from .negotiation import Ann
 from .ops import Average
-from .state import engine
+from .process_sets import ProcessSet, engine_of, global_process_set
 
 _DTYPE_OF = operator.attrgetter("dtype")
 _SHAPE_OF = operator.attrgetter("shape")
@@ -30,12 +30,13 @@ _NUMEL_OF = operator.methodcaller("numel")     # torch tensors
 
 
 def _grouped(tensors: Sequence[Any], name: Optional[str], op: Any, prescale: float,
-             postscale: float, inplace: bool, urgent: bool) -> GroupHandle:
+             postscale: float, inplace: bool, urgent: bool, process_set: Any) -> GroupHandle:
     """Pack each (dtype, framework) group into one flat buffer negotiated and reduced as one
     request, then hand back views (or copy into the inputs when in place)."""
     if not isinstance(tensors, (list, tuple)):
         raise TypeError("grouped_allreduce takes a list of tensors")
-    base = request_name("grouped_allreduce", name)
+    eng = engine_of(process_set)
+    base = request_name("grouped_allreduce", name, eng)
     groups: dict[tuple, list[int]] = {}
     first = tensors[0] if tensors else None
     if (type(first) is np.ndarray and set(map(type, tensors)) == {np.ndarray}
@@ -56,7 +57,7 @@ def _grouped(tensors: Sequence[Any], name: Optional[str], op: Any, prescale: flo
             for i in idxs:
                 t = tensors[i]
                 h = submit_allreduce(t, t if inplace else None, f"{label}.{i}", op, prescale,
-                                     postscale, urgent)
+                                     postscale, urgent, process_set)
                 parts.append((_Single(h), [i]))
             continue
         members = list(tensors) if len(idxs) == len(tensors) else [tensors[i] for i in idxs]
@@ -103,7 +104,7 @@ def _grouped(tensors: Sequence[Any], name: Optional[str], op: Any, prescale: flo
         ann = Ann(label, "allreduce", dtype, flat.shape, int(op_), -1,
                   scale_factor(prescale, "prescale_factor"), scale_factor(postscale, "postscale_factor"), device)
         # ``flat`` is our own buffer: reduce it in place (no result allocation, no copy)
-        parts.append((engine().submit(ann, flat, out=flat, post=split, urgent=urgent), idxs))
+        parts.append((eng.submit(ann, flat, out=flat, post=split, urgent=urgent), idxs))
     return GroupHandle(parts, len(tensors))
 
 
@@ -121,19 +122,22 @@ class _Single:
 
 
 def grouped_allreduce_async(tensors: Sequence[Any], name: Optional[str] = None, op: Any = Average,
-                            prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> GroupHandle:
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set) -> GroupHandle:
     """Start a grouped allreduce; ``synchronize(handle)`` returns the list of results."""
-    return _grouped(tensors, name, op, prescale_factor, postscale_factor, False, False)
+    return _grouped(tensors, name, op, prescale_factor, postscale_factor, False, False, process_set)
 
 
 def grouped_allreduce_async_(tensors: Sequence[Any], name: Optional[str] = None, op: Any = Average,
-                             prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> GroupHandle:
+                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             process_set: ProcessSet = global_process_set) -> GroupHandle:
     """In-place :func:`grouped_allreduce_async`."""
-    return _grouped(tensors, name, op, prescale_factor, postscale_factor, True, False)
+    return _grouped(tensors, name, op, prescale_factor, postscale_factor, True, False, process_set)
 
 
 def grouped_allreduce(tensors: Sequence[Any], name: Optional[str] = None, op: Any = Average,
-                      prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set) -> list:
     """:func:`allreduce` of each tensor in the list, negotiated and reduced together: tensors
     of one dtype travel as one flat buffer (one request, one reduction).
 
@@ -142,13 +146,14 @@ def grouped_allreduce(tensors: Sequence[Any], name: Optional[str] = None, op: An
         rank 0: grouped_allreduce([np.ones(2), np.zeros(1)], op=hvd.Sum)  -> [[2., 2.], [1.]]
         rank 1: grouped_allreduce([np.ones(2), np.ones(1)], op=hvd.Sum)   -> [[2., 2.], [1.]]
     """
-    return _grouped(tensors, name, op, prescale_factor, postscale_factor, False, True).wait()
+    return _grouped(tensors, name, op, prescale_factor, postscale_factor, False, True, process_set).wait()
 
 
 def grouped_allreduce_(tensors: Sequence[Any], name: Optional[str] = None, op: Any = Average,
-                       prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_set: ProcessSet = global_process_set) -> list:
     """In-place :func:`grouped_allreduce`: each tensor holds its result."""
-    return _grouped(tensors, name, op, prescale_factor, postscale_factor, True, True).wait()
+    return _grouped(tensors, name, op, prescale_factor, postscale_factor, True, True, process_set).wait()
 
 
 # ---------------------------------------------------------------- grouped allgather, reducescatter
@@ -190,20 +195,22 @@ def _group(handles: list) -> GroupHandle:
     return GroupHandle([(_Members(handles), list(range(len(handles))))], len(handles))
 
 
-def _submit_allgathers(tensors: Sequence[Any], name: Optional[str]) -> list:
+def _submit_allgathers(tensors: Sequence[Any], name: Optional[str], process_set: Any) -> list:
     _check_list(tensors, "grouped_allgather")
     for t in tensors:        # every tensor checked before any request goes out
         check_tensor(t, "grouped_allgather")
-    base = request_name("grouped_allgather", name)
-    return [allgather_async(t, name=f"{base}.{i}") for i, t in enumerate(tensors)]
+    base = request_name("grouped_allgather", name, engine_of(process_set))
+    return [allgather_async(t, f"{base}.{i}", process_set) for i, t in enumerate(tensors)]
 
 
-def grouped_allgather_async(tensors: Sequence[Any], name: Optional[str] = None) -> GroupHandle:
+def grouped_allgather_async(tensors: Sequence[Any], name: Optional[str] = None,
+                            process_set: ProcessSet = global_process_set) -> GroupHandle:
     """Start a grouped allgather; ``synchronize(handle)`` returns the list of results."""
-    return _group(_submit_allgathers(tensors, name))
+    return _group(_submit_allgathers(tensors, name, process_set))
 
 
-def grouped_allgather(tensors: Sequence[Any], name: Optional[str] = None) -> list:
+def grouped_allgather(tensors: Sequence[Any], name: Optional[str] = None,
+                      process_set: ProcessSet = global_process_set) -> list:
     """:func:`allgather` of each tensor in the list (its first dimension may differ by rank),
     negotiated together: tensor ``i`` travels as ``f"{name}.{i}"``.
 
@@ -212,24 +219,26 @@ def grouped_allgather(tensors: Sequence[Any], name: Optional[str] = None) -> lis
         rank 0: grouped_allgather([np.array([1]), np.array([[1, 2]])])  -> [[1, 2, 3], [[1, 2], [3, 4]]]
         rank 1: grouped_allgather([np.array([2, 3]), np.array([[3, 4]])]) -> [[1, 2, 3], [[1, 2], [3, 4]]]
     """
-    return grouped_allgather_async(tensors, name).wait()
+    return grouped_allgather_async(tensors, name, process_set).wait()
 
 
-def grouped_allgather_rows(tensors: Sequence[Any], name: Optional[str] = None) -> tuple:
+def grouped_allgather_rows(tensors: Sequence[Any], name: Optional[str] = None,
+                           process_set: ProcessSet = global_process_set) -> tuple:
     """:func:`grouped_allgather`, plus each tensor's rows per rank (for the faces' gradients):
     ``(results, [[rows of rank 0, rows of rank 1, ...] per tensor])``."""
-    handles = _submit_allgathers(tensors, name)
+    handles = _submit_allgathers(tensors, name, process_set)
     out = _Members(handles).wait()
     rows = [h.extra for h in handles]
     if any(r is None for r in rows):   # the backend did not report rows per rank: ask
-        firsts = allgather_object([int(t.shape[0]) if len(t.shape) else 1 for t in tensors])
+        firsts = allgather_object([int(t.shape[0]) if len(t.shape) else 1 for t in tensors],
+                                  process_set=process_set)
         rows = [[f[i] for f in firsts] for i in range(len(tensors))]
     return out, [[int(x) for x in r] for r in rows]
 
 
 def grouped_reducescatter_async(tensors: Sequence[Any], name: Optional[str] = None, op: Any = Average,
-                                prescale_factor: float = 1.0,
-                                postscale_factor: float = 1.0) -> GroupHandle:
+                                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                                process_set: ProcessSet = global_process_set) -> GroupHandle:
     """Start a grouped reducescatter; ``synchronize(handle)`` returns the list of results."""
     _check_list(tensors, "grouped_reducescatter")
     op_ = ops.to_op(op)
@@ -241,13 +250,14 @@ def grouped_reducescatter_async(tensors: Sequence[Any], name: Optional[str] = No
         ops.check_op_dtype(op_, dtype)
     pre = scale_factor(prescale_factor, "prescale_factor")
     post = scale_factor(postscale_factor, "postscale_factor")
-    base = request_name("grouped_reducescatter", name)
-    return _group([reducescatter_async(t, name=f"{base}.{i}", op=op_, prescale_factor=pre,
-                                       postscale_factor=post) for i, t in enumerate(tensors)])
+    base = request_name("grouped_reducescatter", name, engine_of(process_set))
+    return _group([reducescatter_async(t, f"{base}.{i}", op_, pre, post, process_set)
+                   for i, t in enumerate(tensors)])
 
 
 def grouped_reducescatter(tensors: Sequence[Any], name: Optional[str] = None, op: Any = Average,
-                          prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                          process_set: ProcessSet = global_process_set) -> list:
     """:func:`reducescatter` of each tensor in the list, negotiated together: each rank gets
     its share of every tensor's first dimension (the first ranks one more row when it does not
     divide). Tensor ``i`` travels as ``f"{name}.{i}"``.
@@ -257,4 +267,5 @@ def grouped_reducescatter(tensors: Sequence[Any], name: Optional[str] = None, op
         rank 0: grouped_reducescatter([np.array([1, 2, 3]), np.ones((2, 2))], op=hvd.Sum) -> [[2, 4], [[2., 2.]]]
         rank 1: grouped_reducescatter([np.array([1, 2, 3]), np.ones((2, 2))], op=hvd.Sum) -> [[6], [[2., 2.]]]
     """
-    return grouped_reducescatter_async(tensors, name, op, prescale_factor, postscale_factor).wait()
+    return grouped_reducescatter_async(tensors, name, op, prescale_factor, postscale_factor,
+                                       process_set).wait()

@@ -24,7 +24,9 @@ from hvd_magic.collectives import (Adasum, Average, Handle, HorovodInternalError
                                    ccl_built, cross_rank, cross_size, cuda_built, gloo_built,
                                    gloo_enabled, init, is_initialized, local_rank, local_size,
                                    mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank,
-                                   rocm_built, shutdown, size, start_timeline, stop_timeline)
+                                   rocm_built, shutdown, size, start_timeline, stop_timeline,
+                                   ProcessSet, add_process_set, global_process_set,
+                                   remove_process_set)
 
 from .compression import Compression, Compressor
 from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,

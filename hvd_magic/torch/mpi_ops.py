@@ -6,8 +6,9 @@ The out-of-place collectives (:func:`allreduce`, :func:`grouped_allreduce`,
 collective on the gradient, so every rank must call ``backward`` too:
 
 - allreduce: the gradient is allreduced with the same op and scale factors;
-- allgather: the gradient is Sum-allreduced and each rank keeps its own rows;
-- broadcast: the gradient is Sum-allreduced; the root keeps it, other ranks get zeros;
+- allgather: the gradient is averaged over the ranks and each rank keeps its own rows;
+- broadcast: the gradient is averaged over the ranks; the root keeps it, others get zeros
+  (allgather and broadcast average as ``horovod.torch`` does);
 - grouped_reducescatter (Average or Sum): the gradient is allgathered and scaled like the
   forward pass (divided by the number of ranks for Average).
 
@@ -20,9 +21,10 @@ from typing import Any, Optional, Sequence
 import torch
 
 import hvd_magic.collectives as C
-from hvd_magic.collectives import Average, Handle, Sum
+from hvd_magic.collectives import Average, Handle, ProcessSet, Sum, global_process_set
 from hvd_magic.collectives.grouped import grouped_allgather_rows
 from hvd_magic.collectives.ops import resolve_op, to_op
+from hvd_magic.collectives.process_sets import engine_of
 
 from .compression import Compression, Compressor
 
@@ -37,6 +39,11 @@ def _tensor(x: Any, fn: str) -> torch.Tensor:
     return x
 
 
+def _rank(process_set: ProcessSet) -> int:
+    """This rank's index in ``process_set`` (where its rows sit in a gathered tensor)."""
+    return C.rank() if process_set.process_set_id == 0 else process_set.rank()
+
+
 def _tensors(xs: Any, fn: str) -> list:
     if not isinstance(xs, (list, tuple)):
         raise TypeError(f"hvd_magic.torch.{fn} takes a list of torch tensors, not {type(xs).__name__}")
@@ -49,105 +56,114 @@ def _tensors(xs: Any, fn: str) -> list:
 
 class _Allreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, name, op, prescale, postscale):  # type: ignore[override]
-        ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
+    def forward(ctx, tensor, name, op, prescale, postscale, ps):  # type: ignore[override]
+        ctx.op, ctx.prescale, ctx.postscale, ctx.ps = op, prescale, postscale, ps
         return C.allreduce(tensor.detach(), name=name, op=op, prescale_factor=prescale,
-                           postscale_factor=postscale)
+                           postscale_factor=postscale, process_set=ps)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         g = C.allreduce(grad.contiguous(), op=ctx.op, prescale_factor=ctx.prescale,
-                        postscale_factor=ctx.postscale)
-        return g, None, None, None, None
+                        postscale_factor=ctx.postscale, process_set=ctx.ps)
+        return g, None, None, None, None, None
 
 
 class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, name, op, prescale, postscale, *tensors):  # type: ignore[override]
-        ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
+    def forward(ctx, name, op, prescale, postscale, ps, *tensors):  # type: ignore[override]
+        ctx.op, ctx.prescale, ctx.postscale, ctx.ps = op, prescale, postscale, ps
         return tuple(C.grouped_allreduce([t.detach() for t in tensors], name=name, op=op,
-                                         prescale_factor=prescale, postscale_factor=postscale))
+                                         prescale_factor=prescale, postscale_factor=postscale,
+                                         process_set=ps))
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
         out = C.grouped_allreduce([g.contiguous() for g in grads], op=ctx.op,
-                                  prescale_factor=ctx.prescale, postscale_factor=ctx.postscale)
-        return (None, None, None, None, *out)
+                                  prescale_factor=ctx.prescale, postscale_factor=ctx.postscale,
+                                  process_set=ctx.ps)
+        return (None, None, None, None, None, *out)
 
 
 class _Allgather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, name):  # type: ignore[override]
-        handle = C.allgather_async(tensor.detach(), name=name)
+    def forward(ctx, tensor, name, ps):  # type: ignore[override]
+        handle = C.allgather_async(tensor.detach(), name=name, process_set=ps)
         out = handle.wait()
         rows = handle.extra
         if rows is None:   # backend did not report rows per rank: ask
-            rows = [int(r) for r in C.allgather_object(int(tensor.shape[0]) if tensor.dim() else 1)]
+            rows = [int(r) for r in C.allgather_object(int(tensor.shape[0]) if tensor.dim() else 1,
+                                                       process_set=ps)]
         ctx.rows = [int(r) for r in rows]
         ctx.scalar = tensor.dim() == 0
+        ctx.ps = ps
         return out
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        g = C.allreduce(grad.contiguous(), op=Sum)
-        r = C.rank()
+        g = C.allreduce(grad.contiguous(), op=Average, process_set=ctx.ps)
+        r = _rank(ctx.ps)
         start = sum(ctx.rows[:r])
         mine = g.narrow(0, start, ctx.rows[r])
-        return (mine.reshape(()) if ctx.scalar else mine), None
+        return (mine.reshape(()) if ctx.scalar else mine), None, None
 
 
 class _GroupedAllgather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, name, *tensors):  # type: ignore[override]
-        outs, ctx.rows = grouped_allgather_rows([t.detach() for t in tensors], name)
+    def forward(ctx, name, ps, *tensors):  # type: ignore[override]
+        outs, ctx.rows = grouped_allgather_rows([t.detach() for t in tensors], name, ps)
         ctx.scalars = [t.dim() == 0 for t in tensors]
+        ctx.ps = ps
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
-        summed = C.grouped_allreduce([g.contiguous() for g in grads], op=Sum)
-        r = C.rank()
-        mine = [g.narrow(0, sum(rows[:r]), rows[r]) for g, rows in zip(summed, ctx.rows)]
-        return (None, *[m.reshape(()) if s else m for m, s in zip(mine, ctx.scalars)])
+        avg = C.grouped_allreduce([g.contiguous() for g in grads], op=Average, process_set=ctx.ps)
+        r = _rank(ctx.ps)
+        mine = [g.narrow(0, sum(rows[:r]), rows[r]) for g, rows in zip(avg, ctx.rows)]
+        return (None, None, *[m.reshape(()) if s else m for m, s in zip(mine, ctx.scalars)])
 
 
 class _GroupedReducescatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, name, op, prescale, postscale, *tensors):  # type: ignore[override]
-        ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
+    def forward(ctx, name, op, prescale, postscale, ps, *tensors):  # type: ignore[override]
+        ctx.op, ctx.prescale, ctx.postscale, ctx.ps = op, prescale, postscale, ps
         return tuple(C.grouped_reducescatter([t.detach() for t in tensors], name=name, op=op,
-                                             prescale_factor=prescale, postscale_factor=postscale))
+                                             prescale_factor=prescale, postscale_factor=postscale,
+                                             process_set=ps))
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
         if ctx.op not in (Average, Sum):
             raise ValueError(f"the gradient of grouped_reducescatter is only defined for op=hvd.Average "
                              f"or hvd.Sum, not {ctx.op.name}; detach the inputs for other ops")
-        scale = float(ctx.prescale) * float(ctx.postscale) / (C.size() if ctx.op == Average else 1)
-        gathered = C.grouped_allgather([g.contiguous() for g in grads])
-        return (None, None, None, None, *[g * scale if scale != 1.0 else g for g in gathered])
+        n = C.size() if ctx.ps.process_set_id == 0 else ctx.ps.size()
+        scale = float(ctx.prescale) * float(ctx.postscale) / (n if ctx.op == Average else 1)
+        gathered = C.grouped_allgather([g.contiguous() for g in grads], process_set=ctx.ps)
+        return (None, None, None, None, None, *[g * scale if scale != 1.0 else g for g in gathered])
 
 
 class _Broadcast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, root_rank, name):  # type: ignore[override]
-        ctx.root = root_rank
-        return C.broadcast(tensor.detach(), root_rank, name=name)
+    def forward(ctx, tensor, root_rank, name, ps):  # type: ignore[override]
+        ctx.root, ctx.ps = root_rank, ps
+        return C.broadcast(tensor.detach(), root_rank, name=name, process_set=ps)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        g = C.allreduce(grad.contiguous(), op=Sum)
+        g = C.allreduce(grad.contiguous(), op=Average, process_set=ctx.ps)
         if C.rank() != ctx.root:
             g = torch.zeros_like(g)
-        return g, None, None
+        return g, None, None, None
 
 
 # ---------------------------------------------------------------- allreduce
 
 def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
               compression: type[Compressor] = Compression.none, op: Any = None,
-              prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
-    """Reduce ``tensor`` over all ranks (Average unless ``op`` says otherwise); differentiable.
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Reduce ``tensor`` over all ranks (of ``process_set``; Average unless ``op`` says
+    otherwise); differentiable.
 
     Example, 2 ranks::
 
@@ -157,40 +173,43 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
     """
     op = _op(average, op, "allreduce")
     compressed, ctx = compression.compress(_tensor(tensor, "allreduce"))
-    out = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor)
+    out = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor, process_set)
     return compression.decompress(out, ctx)
 
 
 def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                     op: Any = None, prescale_factor: float = 1.0,
-                    postscale_factor: float = 1.0) -> Handle:
+                    postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> Handle:
     """Start :func:`allreduce` (not differentiable); ``synchronize(handle)`` returns the result."""
     return C.allreduce_async(_tensor(tensor, "allreduce_async"), name=name,
                              op=_op(average, op, "allreduce_async"),
-                             prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+                             prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                             process_set=process_set)
 
 
 def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                op: Any = None, prescale_factor: float = 1.0,
-               postscale_factor: float = 1.0) -> torch.Tensor:
+               postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In-place :func:`allreduce`: ``tensor`` holds the result on every rank and is returned."""
     return C.allreduce_(_tensor(tensor, "allreduce_"), name=name, op=_op(average, op, "allreduce_"),
-                        prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+                        prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                        process_set=process_set)
 
 
 def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                      op: Any = None, prescale_factor: float = 1.0,
-                     postscale_factor: float = 1.0) -> Handle:
+                     postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> Handle:
     """Start an in-place allreduce; ``tensor`` holds the result once ``synchronize(handle)`` returns."""
     return C.allreduce_async_(_tensor(tensor, "allreduce_async_"), name=name,
                               op=_op(average, op, "allreduce_async_"),
-                              prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+                              prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                              process_set=process_set)
 
 
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                       name: Optional[str] = None, compression: type[Compressor] = Compression.none,
                       op: Any = None, prescale_factor: float = 1.0,
-                      postscale_factor: float = 1.0) -> list[torch.Tensor]:
+                      postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """:func:`allreduce` of every tensor of the list, negotiated and fused together; differentiable.
 
     Example, 2 ranks, op=Sum::
@@ -200,38 +219,43 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] =
     """
     op = _op(average, op, "grouped_allreduce")
     pairs = [compression.compress(_tensor(t, "grouped_allreduce")) for t in tensors]
-    outs = _GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor, *[p[0] for p in pairs])
+    outs = _GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor, process_set,
+                                   *[p[0] for p in pairs])
     return [compression.decompress(o, p[1]) for o, p in zip(outs, pairs)]
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                             name: Optional[str] = None, op: Any = None, prescale_factor: float = 1.0,
-                            postscale_factor: float = 1.0) -> Any:
+                            postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> Any:
     """Start :func:`grouped_allreduce`; ``synchronize(handle)`` returns the list of results."""
     return C.grouped_allreduce_async(list(tensors), name=name, op=_op(average, op, "grouped_allreduce_async"),
-                                     prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+                                     prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                                     process_set=process_set)
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                        name: Optional[str] = None, op: Any = None, prescale_factor: float = 1.0,
-                       postscale_factor: float = 1.0) -> list[torch.Tensor]:
+                       postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """In-place :func:`grouped_allreduce`."""
     return C.grouped_allreduce_(list(tensors), name=name, op=_op(average, op, "grouped_allreduce_"),
-                                prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+                                prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                                process_set=process_set)
 
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                              name: Optional[str] = None, op: Any = None, prescale_factor: float = 1.0,
-                             postscale_factor: float = 1.0) -> Any:
+                             postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> Any:
     """Start an in-place :func:`grouped_allreduce`; ``synchronize(handle)`` returns the tensors."""
     return C.grouped_allreduce_async_(list(tensors), name=name,
                                       op=_op(average, op, "grouped_allreduce_async_"),
-                                      prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+                                      prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                                      process_set=process_set)
 
 
 # ---------------------------------------------------------------- allgather, broadcast
 
-def allgather(tensor: torch.Tensor, name: Optional[str] = None) -> torch.Tensor:
+def allgather(tensor: torch.Tensor, name: Optional[str] = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Concatenate every rank's tensor along dimension 0 (sizes may differ); differentiable.
 
     Example, 2 ranks::
@@ -239,15 +263,17 @@ def allgather(tensor: torch.Tensor, name: Optional[str] = None) -> torch.Tensor:
         rank 0: allgather(torch.tensor([[1, 2]]))          -> tensor([[1, 2], [3, 4], [5, 6]])
         rank 1: allgather(torch.tensor([[3, 4], [5, 6]]))  -> tensor([[1, 2], [3, 4], [5, 6]])
     """
-    return _Allgather.apply(_tensor(tensor, "allgather"), name)
+    return _Allgather.apply(_tensor(tensor, "allgather"), name, process_set)
 
 
-def allgather_async(tensor: torch.Tensor, name: Optional[str] = None) -> Handle:
+def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
+                    process_set: ProcessSet = global_process_set) -> Handle:
     """Start :func:`allgather` (not differentiable)."""
-    return C.allgather_async(_tensor(tensor, "allgather_async"), name=name)
+    return C.allgather_async(_tensor(tensor, "allgather_async"), name=name, process_set=process_set)
 
 
-def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None) -> list[torch.Tensor]:
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """:func:`allgather` of every tensor of the list, negotiated together (tensor i is named
     ``f"{name}.{i}"``); differentiable.
 
@@ -256,15 +282,18 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = Non
         rank 0: grouped_allgather([torch.tensor([1]), torch.tensor([5])])     -> [tensor([1, 2, 3]), tensor([5, 6])]
         rank 1: grouped_allgather([torch.tensor([2, 3]), torch.tensor([6])])  -> [tensor([1, 2, 3]), tensor([5, 6])]
     """
-    return list(_GroupedAllgather.apply(name, *_tensors(tensors, "grouped_allgather")))
+    return list(_GroupedAllgather.apply(name, process_set, *_tensors(tensors, "grouped_allgather")))
 
 
-def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None) -> Any:
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                            process_set: ProcessSet = global_process_set) -> Any:
     """Start :func:`grouped_allgather` (not differentiable); ``synchronize(handle)`` returns the list."""
-    return C.grouped_allgather_async(_tensors(tensors, "grouped_allgather_async"), name=name)
+    return C.grouped_allgather_async(_tensors(tensors, "grouped_allgather_async"), name=name,
+                                     process_set=process_set)
 
 
-def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> torch.Tensor:
+def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Every rank gets a copy of ``root_rank``'s tensor (a new tensor); differentiable.
 
     Example, 2 ranks::
@@ -272,53 +301,66 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) 
         rank 0: broadcast(torch.tensor([1, 2]), root_rank=0)  -> tensor([1, 2])
         rank 1: broadcast(torch.tensor([0, 0]), root_rank=0)  -> tensor([1, 2])
     """
-    return _Broadcast.apply(_tensor(tensor, "broadcast"), root_rank, name)
+    return _Broadcast.apply(_tensor(tensor, "broadcast"), root_rank, name, process_set)
 
 
-def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> Handle:
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+                    process_set: ProcessSet = global_process_set) -> Handle:
     """Start :func:`broadcast` (not differentiable)."""
-    return C.broadcast_async(_tensor(tensor, "broadcast_async"), root_rank, name=name)
+    return C.broadcast_async(_tensor(tensor, "broadcast_async"), root_rank, name=name,
+                             process_set=process_set)
 
 
-def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> torch.Tensor:
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In-place :func:`broadcast` (not differentiable). Works on parameters: writes their data."""
-    return C.broadcast_(_tensor(tensor, "broadcast_").data, root_rank, name=name)
+    return C.broadcast_(_tensor(tensor, "broadcast_").data, root_rank, name=name,
+                        process_set=process_set)
 
 
-def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> Handle:
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> Handle:
     """Start an in-place :func:`broadcast`."""
-    return C.broadcast_async_(_tensor(tensor, "broadcast_async_").data, root_rank, name=name)
+    return C.broadcast_async_(_tensor(tensor, "broadcast_async_").data, root_rank, name=name,
+                              process_set=process_set)
 
 
 # ---------------------------------------------------------------- alltoall, reducescatter
 
-def alltoall(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None) -> Any:
+def alltoall(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None,
+             process_set: ProcessSet = global_process_set) -> Any:
     """Send ``splits[j]`` rows to rank j and concatenate what arrives (see hvd_magic.collectives)."""
-    return C.alltoall(_tensor(tensor, "alltoall"), splits=splits, name=name)
+    return C.alltoall(_tensor(tensor, "alltoall"), splits=splits, name=name, process_set=process_set)
 
 
-def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None) -> Handle:
-    return C.alltoall_async(_tensor(tensor, "alltoall_async"), splits=splits, name=name)
+def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None,
+                   process_set: ProcessSet = global_process_set) -> Handle:
+    return C.alltoall_async(_tensor(tensor, "alltoall_async"), splits=splits, name=name,
+                            process_set=process_set)
 
 
 def reducescatter(tensor: torch.Tensor, name: Optional[str] = None,
                   compression: type[Compressor] = Compression.none, op: Any = Average,
+                  process_set: ProcessSet = global_process_set,
                   prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
     """Reduce over all ranks and give each rank its share of dimension 0."""
     compressed, ctx = compression.compress(_tensor(tensor, "reducescatter"))
     out = C.reducescatter(compressed, name=name, op=op, prescale_factor=prescale_factor,
-                          postscale_factor=postscale_factor)
+                          postscale_factor=postscale_factor, process_set=process_set)
     return compression.decompress(out, ctx)
 
 
 def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: Any = Average,
+                        process_set: ProcessSet = global_process_set,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
     return C.reducescatter_async(_tensor(tensor, "reducescatter_async"), name=name, op=op,
-                                 prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+                                 prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                                 process_set=process_set)
 
 
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
                           compression: type[Compressor] = Compression.none, op: Any = Average,
+                          process_set: ProcessSet = global_process_set,
                           prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list[torch.Tensor]:
     """:func:`reducescatter` of every tensor of the list, negotiated together (tensor i is
     named ``f"{name}.{i}"``); differentiable for Average and Sum.
@@ -330,17 +372,17 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] =
     """
     pairs = [compression.compress(t) for t in _tensors(tensors, "grouped_reducescatter")]
     outs = _GroupedReducescatter.apply(name, to_op(op), prescale_factor, postscale_factor,
-                                       *[p[0] for p in pairs])
+                                       process_set, *[p[0] for p in pairs])
     return [compression.decompress(o, p[1]) for o, p in zip(outs, pairs)]
 
 
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
-                                op: Any = Average, prescale_factor: float = 1.0,
-                                postscale_factor: float = 1.0) -> Any:
+                                op: Any = Average, process_set: ProcessSet = global_process_set,
+                                prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
     """Start :func:`grouped_reducescatter` (not differentiable); ``synchronize(handle)`` returns the list."""
     return C.grouped_reducescatter_async(_tensors(tensors, "grouped_reducescatter_async"), name=name,
                                          op=op, prescale_factor=prescale_factor,
-                                         postscale_factor=postscale_factor)
+                                         postscale_factor=postscale_factor, process_set=process_set)
 
 
 # ---------------------------------------------------------------- sparse allreduce
@@ -349,22 +391,23 @@ class _SparseHandle:
     """What :func:`sparse_allreduce_async` returns: ``synchronize(handle)``, or ``handle()``
     as in Horovod, gives the sparse result."""
 
-    def __init__(self, size: torch.Size, indices: Handle, values: Handle, average: bool):
-        self.size, self.indices, self.values, self.average = size, indices, values, average
+    def __init__(self, size: torch.Size, indices: Handle, values: Handle, divisor: int):
+        self.size, self.indices, self.values, self.divisor = size, indices, values, divisor
 
     def done(self) -> bool:
         return self.indices.done() and self.values.done()
 
     def wait(self) -> torch.Tensor:
         values, indices = self.values.wait(), self.indices.wait()
-        if self.average:
-            values = values / C.size()
+        if self.divisor > 1:
+            values = values / self.divisor
         return torch.sparse_coo_tensor(indices.t(), values, self.size, check_invariants=False)
 
     __call__ = wait
 
 
-def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str], op: Any) -> _SparseHandle:
+def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str], op: Any,
+                           process_set: ProcessSet = global_process_set) -> _SparseHandle:
     """Start an allreduce of a sparse COO tensor, as Horovod does it: every rank's indices and
     values are allgathered (``name.indices``, ``name.values``) into one uncoalesced sparse
     tensor (duplicate indices add up when used or coalesced); Average divides the values by
@@ -383,11 +426,14 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str], op: Any) -
     if op not in (Average, Sum):
         raise ValueError(f"sparse_allreduce_async supports op=hvd.Average or hvd.Sum, not {op.name}: "
                          "it allgathers the entries; densify with tensor.to_dense() for other ops")
-    base = name if name is not None else C.api.request_name("sparse_allreduce", None)
+    base = C.api.request_name("sparse_allreduce", name, engine_of(process_set))
     t = t.detach()
-    indices = C.allgather_async(t._indices().t().contiguous(), name=f"{base}.indices")
-    values = C.allgather_async(t._values().contiguous(), name=f"{base}.values")
-    return _SparseHandle(t.size(), indices, values, op == Average)
+    indices = C.allgather_async(t._indices().t().contiguous(), name=f"{base}.indices",
+                                process_set=process_set)
+    values = C.allgather_async(t._values().contiguous(), name=f"{base}.values",
+                               process_set=process_set)
+    n = C.size() if process_set.process_set_id == 0 else process_set.size()
+    return _SparseHandle(t.size(), indices, values, n if op == Average else 1)
 
 
 # ---------------------------------------------------------------- handles, join, barrier
@@ -409,6 +455,6 @@ def join(device: int = -1) -> int:
     return C.join()
 
 
-def barrier() -> None:
-    """Return once every rank has called barrier."""
-    C.barrier()
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Return once every rank (of ``process_set``) has called barrier."""
+    C.barrier(process_set=process_set)

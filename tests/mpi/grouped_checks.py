@@ -165,10 +165,10 @@ def _():
     w1 = torch.arange(N, dtype=torch.float32) + 1
     w2 = torch.arange(2 * N, dtype=torch.float64) + 3
     ((ys[0] * w0).sum() + (ys[1] * w1).sum() + (ys[2] * w2).sum()).backward()
-    off = R * (R + 1) // 2      # the loss is the same on every rank: gradients add up over N
-    close("torch grouped_allgather grad 0", xs[0].grad, N * w0[off:off + R + 1])
-    close("torch grouped_allgather grad 0-d", xs[1].grad, N * w1[R])
-    close("torch grouped_allgather grad 2", xs[2].grad, N * w2[2 * R:2 * R + 2])
+    off = R * (R + 1) // 2      # the same loss on every rank: the averaged gradient is its own
+    close("torch grouped_allgather grad 0", xs[0].grad, w0[off:off + R + 1])
+    close("torch grouped_allgather grad 0-d", xs[1].grad, w1[R])
+    close("torch grouped_allgather grad 2", xs[2].grad, w2[2 * R:2 * R + 2])
     # the same as the single allgather's gradient
     x = torch.full((R + 1, 2), float(R)).requires_grad_()
     (hvd.allgather(x) * w0).sum().backward()

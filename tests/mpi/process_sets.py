@@ -133,6 +133,36 @@ def overlapping(b):
         hvd.remove_process_set(ps)
 
 
+def torch_face():
+    """hvd_magic.torch with process_set=: values and gradients stay inside the set."""
+    import hvd_magic.torch as th
+    th.init(process_sets="dynamic")
+    mates = [k for k in range(n) if k % 2 == r % 2]
+    ev, od = th.add_process_set([k for k in range(n) if k % 2 == 0]), th.add_process_set(
+        [k for k in range(n) if k % 2 == 1])
+    mine = ev if r % 2 == 0 else od
+    x = torch.full((3,), float(r), requires_grad=True)
+    y = th.allreduce(x, op=th.Sum, process_set=mine)
+    check(torch.allclose(y, torch.full((3,), float(sum(mates)))), f"torch set allreduce {y}")
+    y.sum().backward()
+    check(torch.allclose(x.grad, torch.full((3,), float(len(mates)))), f"allreduce grad {x.grad}")
+    x = torch.full((r + 1, 2), float(r), requires_grad=True)
+    g = th.allgather(x, process_set=mine)
+    check(g.shape[0] == sum(k + 1 for k in mates), f"torch set allgather rows {g.shape}")
+    (g * 2).sum().backward()      # each rank's rows get the set's averaged gradient (Horovod's rule)
+    check(torch.allclose(x.grad, torch.full_like(x, 2.0)), f"allgather grad {x.grad}")
+    b = th.broadcast(torch.full((2,), float(r)), root_rank=mates[0], process_set=mine)
+    check(torch.allclose(b, torch.full((2,), float(mates[0]))), f"torch set broadcast {b}")
+    rs = th.reducescatter(torch.ones(2 * len(mates)), None, th.Compression.none, th.Sum, mine)
+    check(torch.allclose(rs, torch.full((2,), float(len(mates)))), f"reducescatter, Horovod's order {rs}")
+    outs = th.grouped_allreduce([torch.ones(2), torch.ones(1)], op=th.Sum, process_set=mine)
+    check(all(torch.allclose(o, torch.full_like(o, float(len(mates)))) for o in outs), "grouped")
+    th.barrier(process_set=mine)
+    th.remove_process_set(od)
+    th.remove_process_set(ev)
+    th.shutdown()
+
+
 def static_sets():
     """hvd.init(process_sets=[...]): from ranks, and from communicators each rank is in."""
     sub = W.Split(color=r % 2, key=r)
@@ -158,7 +188,7 @@ def static_sets():
 
 
 try:
-    for part in (dynamic_sets, static_sets):
+    for part in (dynamic_sets, torch_face, static_sets):
         part()
 except Exception:  # noqa: BLE001
     FAILS.append(traceback.format_exc())
