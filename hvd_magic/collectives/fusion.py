@@ -10,6 +10,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from .negotiation import Ann
+from .ops import ReduceOp
+
+_ADASUM = int(ReduceOp.ADASUM)
 
 
 _ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8,
@@ -47,6 +50,7 @@ def plan_fusion(responses: list, threshold: int, alone: int = 0) -> list:
     A CPU tensor of at least ``alone`` bytes (when > 0) also gets a bucket of its own and
     leaves the open bucket open: the MPI backend reduces a big tensor in cache-sized pieces
     in its own memory, where fusing it would only add a pass to pack it and one to unpack.
+    So does every Adasum allreduce: Adasum combines each tensor as one vector.
     """
     plan: list = []
     open_buckets: dict[tuple, tuple[Bucket, int]] = {}
@@ -57,7 +61,7 @@ def plan_fusion(responses: list, threshold: int, alone: int = 0) -> list:
         a = next(iter(resp.anns.values()))      # resp.first, without the property call
         key = (a.dtype, a.op, a.prescale, a.postscale, a.device, resp.joined)   # fusion key
         size = nbytes(a)
-        if 0 < alone <= size and a.device == "cpu":
+        if a.op == _ADASUM or 0 < alone <= size and a.device == "cpu":
             plan.append(Bucket([resp], key))
             continue
         current = open_buckets.get(key)

@@ -53,7 +53,7 @@ def to_op(op: Any) -> ReduceOp:
         except ValueError:
             pass
     raise ValueError(f"unknown reduction op {op!r}; use one of hvd.Average, hvd.Sum, "
-                     "hvd.Min, hvd.Max, hvd.Product")
+                     "hvd.Adasum, hvd.Min, hvd.Max, hvd.Product")
 
 
 def resolve_op(average: Optional[bool], op: Any, fn: str) -> ReduceOp:
@@ -99,11 +99,15 @@ def dtype_name(x: Any) -> str:
 
 
 _ADASUM = ReduceOp.ADASUM     # (a module constant: the enum attribute lookup costs ~0.1 us)
+_FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 
 def check_op_dtype(op: ReduceOp, dtype: str) -> None:
     if op == _ADASUM:
-        raise ValueError("op=Adasum is not supported by hvd_magic yet; use hvd.Average or hvd.Sum")
+        if dtype not in _FLOATS:
+            raise ValueError(f"op=Adasum needs a floating-point tensor (float16, bfloat16, float32 "
+                             f"or float64), got {dtype}; cast it, or use hvd.Sum or hvd.Average")
+        return
     if dtype == "bool" and op in (ReduceOp.SUM, ReduceOp.AVERAGE):
         raise TypeError("Sum/Average of a bool tensor is not defined; use hvd.Max (logical or), "
                         "hvd.Min or hvd.Product (logical and), or cast to an integer type")

@@ -21,6 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import ops
+from ..adasum import adasum_allreduce
 from ..ops import ReduceOp
 from ..timeline import MEMCPY_IN, MEMCPY_OUT, now_us
 from .common import chunk_spans, displacements, row_elems, scatter_rows
@@ -49,6 +50,7 @@ _UFUNCS.update({(ReduceOp.MIN, True): np.logical_and, (ReduceOp.MAX, True): np.l
 
 
 _OPS = {int(o): o for o in ReduceOp}
+_ADASUM = int(ReduceOp.ADASUM)
 _AVERAGE = ReduceOp.AVERAGE
 _IN_PLACE = MPI.IN_PLACE
 _REQ_OF = operator.itemgetter(0)
@@ -106,6 +108,10 @@ class MPIBackend:
     def allreduce(self, entries: list, n_contrib: int) -> None:
         """entries: [(LocalReq or None, Ann)], all sharing dtype, op and scale factors."""
         ann0 = entries[0][1]
+        if ann0.op == _ADASUM:
+            for entry in entries:     # (the fusion plan gives each its own bucket)
+                self._adasum(*entry)
+            return
         dtype, op = ann0.dtype, _OPS[ann0.op]
         red = (_DTYPES.get(dtype) or _dtypes(dtype))[0]
         mop = _OP_CACHE[(ann0.op, dtype == "bool")]
@@ -184,6 +190,39 @@ class MPIBackend:
                 self.tl.add(ann.name, MEMCPY_IN, t0, t1 - t0)
                 self.tl.add(ann.name, f"{self.prefix}_ALLREDUCE", t1, t2 - t1, args)
                 self.tl.add(ann.name, MEMCPY_OUT, t2, t3 - t2)
+
+    def _adasum(self, req: Optional[Any], ann: Any) -> None:
+        """One tensor's Adasum (:mod:`..adasum`), reduced in float32 for half types; in place
+        where the caller allows it. A joined rank (``req`` None) contributes zeros, which
+        change nothing."""
+        dtype, n = ann.dtype, math.prod(ann.shape)
+        red = (_DTYPES.get(dtype) or _dtypes(dtype))[0]
+        half = dtype in ops.HALF
+        target = None
+        if req is None:
+            work = np.zeros(n, dtype=red)
+        else:
+            src = req.src()
+            target = None if half else (src if req.out is src else req.inplace_target())
+            if target is not None:
+                work = target.reshape(-1)
+            else:
+                work = ops.upcast(src.reshape(-1), dtype).astype(red, copy=not half)
+        if ann.prescale != 1.0:
+            np.multiply(work, red.type(ann.prescale), out=work)
+        t0 = now_us() if self.tl.active else 0.0
+        adasum_allreduce(self.comm, work)
+        if self.tl.active:
+            self.tl.add(ann.name, f"{self.prefix}_ADASUM", t0, now_us() - t0, {"bytes": int(work.nbytes)})
+        if ann.postscale != 1.0:
+            np.multiply(work, red.type(ann.postscale), out=work)
+        if req is None:
+            return
+        if half:
+            out = np.empty(n, dtype=ops.np_dtype(dtype))
+            ops.downcast_into(out, work, dtype)
+            work = out
+        req.set_array(target if target is not None else work.reshape(ann.shape), dtype)
 
     def _allreduce_one(self, req: Any, ann0: Any, op: ReduceOp, red: np.dtype, mop: MPI.Op,
                        n_contrib: int) -> np.ndarray:
@@ -324,6 +363,9 @@ class MPIBackend:
     def reducescatter(self, req: Any, anns: dict) -> None:
         ann0 = anns[self.rank]
         dtype, op = ann0.dtype, ReduceOp(ann0.op)
+        if op == ReduceOp.ADASUM:
+            raise ValueError("reducescatter does not take op=Adasum (nor does Horovod); use "
+                             "hvd.Sum or hvd.Average")
         red = np.dtype("float32") if dtype in ops.HALF else np.dtype(dtype)
         rows = scatter_rows(ann0.shape[0] if ann0.shape else 1, self.size)
         re = row_elems(ann0.shape) if ann0.shape else 1

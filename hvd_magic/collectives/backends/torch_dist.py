@@ -216,6 +216,10 @@ class TorchBackend:
         return info.max if op == ReduceOp.MIN else info.min
 
     def _dist_op(self, op: ReduceOp, dtype_name: str) -> Any:
+        if op == ReduceOp.ADASUM:
+            raise ValueError("Adasum on GPU tensors is not supported by hvd_magic yet (nor through "
+                             "torch.distributed with HOROVOD_CPU_OPERATIONS=gloo); reduce a CPU "
+                             "copy (tensor.cpu()) over MPI, or use hvd.Average")
         if dtype_name == "bool" and op == ReduceOp.PRODUCT:
             return self.dist.ReduceOp.MIN
         return self._ops[ReduceOp(op)]
@@ -225,6 +229,7 @@ class TorchBackend:
         torch, dist = self.torch, self.dist
         ann0 = entries[0][1]
         op = ReduceOp(ann0.op)
+        self._dist_op(op, ann0.dtype)           # (Adasum: a ValueError before any work)
         device = torch.device("cuda", torch.cuda.current_device()) if ann0.device == "cuda" else torch.device("cpu")
         red = self._red_dtype(ann0.dtype, ann0.device)
         sizes = [math.prod(a.shape) for _, a in entries]
