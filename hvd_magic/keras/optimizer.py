@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from hvd_magic.collectives import Average
+from hvd_magic.collectives import Adasum, Average
+from hvd_magic.collectives.ops import to_op
 from hvd_magic.tensorflow._compat import import_keras, import_tf
 from hvd_magic.tensorflow.compression import Compression, Compressor
 from hvd_magic.tensorflow.gradient_tape import GradientReducer
@@ -139,6 +140,10 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dens
         raise ValueError("this optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
     if name is not None and (not isinstance(name, str) or not name):
         raise TypeError(f"name must be a non-empty string, got {name!r}")
+    if to_op(op) == Adasum:
+        raise ValueError("hvd_magic.keras.DistributedOptimizer does not take op=hvd.Adasum (nor does "
+                         "Horovod's Keras optimizer); use op=hvd.Average, or a custom training loop "
+                         "with hvd_magic.tensorflow.DistributedGradientTape(tape, op=hvd.Adasum)")
     passes = _check_passes(backward_passes_per_step)
     if passes > 1 and optimizer.built:
         raise ValueError("backward_passes_per_step > 1 needs an optimizer that has not been built "

@@ -19,7 +19,7 @@ from hvd_magic.collectives.ops import to_op
 
 from ._compat import import_tf
 from .compression import Compression, Compressor, check_compression
-from .mpi_ops import _grouped, _sparse_allreduce
+from .mpi_ops import _grouped, _sparse_allreduce, host_call
 
 tf = import_tf()
 
@@ -30,11 +30,9 @@ class GradientReducer:
     def __init__(self, compression: Any, op: Any, gradient_predivide_factor: float,
                  sparse_as_dense: bool, num_groups: int, groups: Any, name: str, who: str):
         op = to_op(op)
-        if op == Adasum:
-            raise ValueError(f"{who}(op=hvd.Adasum) is not supported by hvd_magic; use "
-                             "op=hvd.Average (default) or op=hvd.Sum")
-        if op not in (Average, Sum):
-            raise ValueError(f"{who} reduces gradients with op=hvd.Average or hvd.Sum, not {op.name}")
+        if op not in (Average, Sum, Adasum):
+            raise ValueError(f"{who} reduces gradients with op=hvd.Average, hvd.Sum or hvd.Adasum, "
+                             f"not {op.name}")
         try:
             factor = float(gradient_predivide_factor)
         except (TypeError, ValueError):
@@ -91,7 +89,8 @@ class GradientReducer:
 
     @tf.autograph.experimental.do_not_convert
     def reduce(self, grads: Sequence[Any], variables: Optional[Sequence[Any]] = None) -> list:
-        """Averaged (or summed) gradients, in the order given; None stays None."""
+        """Averaged (or summed, or Adasum-combined) gradients, in the order given; None stays
+        None."""
         if C.size() == 1 and self.prescale * self.postscale == 1.0:
             return [tf.convert_to_tensor(g) if self.sparse_as_dense and isinstance(g, tf.IndexedSlices)
                     else g for g in grads]
@@ -101,6 +100,9 @@ class GradientReducer:
             if g is None:
                 continue
             if isinstance(g, tf.IndexedSlices):
+                if not self.sparse_as_dense and self.op == Adasum:
+                    raise ValueError("op=hvd.Adasum does not take sparse gradients (tf.IndexedSlices), "
+                                     "as in Horovod; pass sparse_as_dense=True")
                 if not self.sparse_as_dense:
                     out[i] = _sparse_allreduce(g, f"{self.name}.sparse.{i}", self.op)
                     continue
@@ -108,6 +110,12 @@ class GradientReducer:
             out[i] = g
             dense_pos.append(i)
             dense_vars.append(variables[i] if variables is not None else None)
+        if self.op == Adasum:     # Adasum is per tensor: one request per gradient
+            pairs = [self.compression.compress(out[p]) for p in dense_pos]
+            reduced = _adasum([c for c, _ in pairs], f"{self.name}.adasum")
+            for p, r, (_, ctx) in zip(dense_pos, reduced, pairs):
+                out[p] = self.compression.decompress(r, ctx)
+            return out
         for b, bucket in enumerate(self._buckets(len(dense_pos), dense_vars if variables is not None
                                                  else None)):
             pos = [dense_pos[j] for j in bucket]
@@ -117,6 +125,17 @@ class GradientReducer:
             for p, r, (_, ctx) in zip(pos, reduced, pairs):
                 out[p] = self.compression.decompress(r, ctx)
         return out
+
+
+def _adasum(xs: list, name: str) -> list:
+    """Adasum of each tensor over all ranks, in one host call (one request per tensor)."""
+    if not xs:
+        return []
+
+    def run(*arrays: Any) -> list:
+        handles = [C.allreduce_async(a, name=f"{name}.{i}", op=Adasum) for i, a in enumerate(arrays)]
+        return [h.wait() for h in handles]
+    return host_call(run, xs, [x.dtype for x in xs], [x.shape for x in xs], "adasum")
 
 
 def _ref(v: Any) -> Any:
@@ -160,7 +179,8 @@ def DistributedGradientTape(gradtape: Any, device_dense: str = "", device_sparse
 
     Works on a tape that recorded already or one not yet entered
     (``with hvd.DistributedGradientTape(tf.GradientTape()) as tape:``). ``compression``
-    (hvd.Compression.fp16/bf16) casts on the wire; ``op`` is hvd.Average or hvd.Sum;
+    (hvd.Compression.fp16/bf16) casts on the wire; ``op`` is hvd.Average, hvd.Sum or
+    hvd.Adasum (each gradient Adasum-combined on its own, as Horovod does; dense only);
     ``gradient_predivide_factor=f`` divides by f before the sum and by size/f after;
     ``sparse_as_dense`` densifies tf.IndexedSlices (else their values and indices are
     allgathered); ``num_groups`` / ``groups`` (list of lists of variables) split the single

@@ -41,46 +41,9 @@ class _DistributedOptimizer:
                    backward_passes_per_step: int, op: Any, gradient_predivide_factor: float,
                    groups: Any, sparse_as_dense: bool) -> None:
         all_params = [p for g in self.param_groups for p in g["params"]]
-        if named_parameters is not None:
-            named = list(named_parameters)
-            if any(not isinstance(x, tuple) or len(x) != 2 for x in named):
-                raise ValueError("named_parameters must be a sequence of (name, parameter) tuples, "
-                                 "usually model.named_parameters()")
-            seen: set = set()
-            dups = sorted({k for k, _ in named if k in seen or seen.add(k)})
-            if dups:
-                raise ValueError("parameter names in named_parameters must be unique; duplicates: "
-                                 + ", ".join(map(str, dups)) + ". Pass model.named_parameters() of "
-                                 "a single model, or rename the parameters")
-            named_ids = {id(v) for _, v in named}
-            missing = [p for p in all_params if id(p) not in named_ids]
-            if missing:
-                raise ValueError(f"named_parameters was given but {len(missing)} parameter(s) of the "
-                                 f"optimizer are not in it (shapes {[tuple(p.shape) for p in missing]}); "
-                                 "pass the named_parameters() of every model whose parameters the "
-                                 "optimizer updates")
-            names = {id(v): str(k) for k, v in named}
-        else:
-            names = {id(p): f"allreduce.noname.{i}.{j}"
-                     for i, g in enumerate(self.param_groups) for j, p in enumerate(g["params"])}
-        if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
-                or backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}")
+        names = _param_names(self.param_groups, named_parameters)
         op = to_op(op)
-        if op == Adasum:
-            raise ValueError("DistributedOptimizer(op=hvd.Adasum) is not supported by hvd_magic; "
-                             "use op=hvd.Average (default) or op=hvd.Sum")
-        if op not in (Average, Sum):
-            raise ValueError(f"DistributedOptimizer reduces gradients with op=hvd.Average or hvd.Sum, "
-                             f"not {op.name}")
         factor = float(gradient_predivide_factor)
-        if factor != 1.0 and op != Average:
-            raise ValueError("gradient_predivide_factor is only meaningful with op=hvd.Average")
-        if factor <= 0:
-            raise ValueError(f"gradient_predivide_factor must be > 0, got {factor}")
-        if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
-            raise TypeError("compression must be hvd.Compression.none, .fp16, .bf16 or a class "
-                            "with compress/decompress")
         self._hvd_names = names
         self._hvd_compression = compression
         self._hvd_passes = backward_passes_per_step
@@ -221,6 +184,121 @@ class _DistributedOptimizer:
         super().zero_grad(set_to_none=set_to_none)
 
 
+class _DistributedAdasumOptimizer:
+    """Mixin for ``op=hvd.Adasum`` (Horovod's delta optimizer): ``step()`` runs the wrapped
+    optimizer's step on this rank's own gradients, then sets each parameter to its value
+    before the step plus the Adasum over all ranks of its change (no division by the number
+    of ranks). With SGD and learning rate lr, 2 ranks::
+
+        rank 0: p = [0., 0.], p.grad = [1., 0.]   rank 1: p = [0., 0.], p.grad = [0., 1.]
+        after step(): p = [-lr, -lr] on both ranks (orthogonal changes are summed)
+        with p.grad = [1., 1.] on both ranks instead: p = [-lr, -lr] (equal changes: one)
+    """
+
+    def _hvd_adasum_setup(self, named_parameters: Optional[Iterable], compression: type[Compressor],
+                          backward_passes_per_step: int) -> None:
+        names = _param_names(self.param_groups, named_parameters)
+        self._hvd_names = names
+        self._hvd_compression = compression
+        self._hvd_passes = backward_passes_per_step
+        self._hvd_requires = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        for p in self._hvd_requires:     # the newest wrapper of a parameter serves it alone
+            old = getattr(p, "_hvd_magic_hook", None)
+            if old is not None:
+                old.remove()
+                p._hvd_magic_hook = None
+        if C.size() > 1:
+            _check_same_layout([Bucket(i, [p], names[id(p)]) for i, p in enumerate(self._hvd_requires)])
+
+    def synchronize(self) -> None:
+        """Nothing to do: with Adasum the parameters' changes are reduced inside ``step()``."""
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        raise ValueError("skip_synchronize() is not available with op=hvd.Adasum (as in Horovod): "
+                         "step() applies the local update and reduces its result; clip the local "
+                         "gradients before step() instead")
+        yield  # pragma: no cover
+
+    def step(self, closure: Any = None) -> Any:
+        """The wrapped optimizer's step on the local gradients, then the Adasum of every
+        rank's parameter change added to the parameters as they were before the step."""
+        if C.size() <= 1:
+            return super().step(closure)  # type: ignore[misc]
+        params = self._hvd_requires
+        with torch.no_grad():
+            start = [p.detach().clone() for p in params]
+        loss = super().step(closure)  # type: ignore[misc]
+        comp = self._hvd_compression
+        with torch.no_grad():
+            pending = []
+            for p, s in zip(params, start):
+                delta = p.detach() - s
+                if delta.device.type != "cpu":   # Adasum runs over MPI: through host memory
+                    delta = delta.cpu()
+                sent, ctx = comp.compress(delta)
+                pending.append((C.allreduce_async_(sent, name=f"adasum.{self._hvd_names[id(p)]}",
+                                                   op=Adasum), ctx))
+            err: Optional[BaseException] = None
+            for p, s, (handle, ctx) in zip(params, start, pending):
+                try:
+                    delta = comp.decompress(handle.wait(), ctx)
+                except BaseException as exc:  # noqa: BLE001 - wait for the rest, then raise
+                    err = err or exc
+                    continue
+                p.copy_(s.add_(delta.to(device=s.device, dtype=s.dtype)))
+            if err is not None:
+                raise err
+        return loss
+
+
+def _param_names(param_groups: list, named_parameters: Optional[Iterable]) -> dict:
+    """id(parameter) -> the name of its allreduce, checked as Horovod checks them."""
+    all_params = [p for g in param_groups for p in g["params"]]
+    if named_parameters is not None:
+        named = list(named_parameters)
+        if any(not isinstance(x, tuple) or len(x) != 2 for x in named):
+            raise ValueError("named_parameters must be a sequence of (name, parameter) tuples, "
+                             "usually model.named_parameters()")
+        seen: set = set()
+        dups = sorted({k for k, _ in named if k in seen or seen.add(k)})
+        if dups:
+            raise ValueError("parameter names in named_parameters must be unique; duplicates: "
+                             + ", ".join(map(str, dups)) + ". Pass model.named_parameters() of "
+                             "a single model, or rename the parameters")
+        named_ids = {id(v) for _, v in named}
+        missing = [p for p in all_params if id(p) not in named_ids]
+        if missing:
+            raise ValueError(f"named_parameters was given but {len(missing)} parameter(s) of the "
+                             f"optimizer are not in it (shapes {[tuple(p.shape) for p in missing]}); "
+                             "pass the named_parameters() of every model whose parameters the "
+                             "optimizer updates")
+        names = {id(v): str(k) for k, v in named}
+    else:
+        names = {id(p): f"allreduce.noname.{i}.{j}"
+                 for i, g in enumerate(param_groups) for j, p in enumerate(g["params"])}
+    return names
+
+
+def _check_args(backward_passes_per_step: Any, op: Any, gradient_predivide_factor: Any,
+                compression: Any) -> None:
+    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
+            or backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}")
+    op = to_op(op)
+    if op not in (Average, Sum, Adasum):
+        raise ValueError(f"DistributedOptimizer reduces gradients with op=hvd.Average, hvd.Sum or "
+                         f"hvd.Adasum, not {op.name}")
+    factor = float(gradient_predivide_factor)
+    if factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor is only meaningful with op=hvd.Average")
+    if factor <= 0:
+        raise ValueError(f"gradient_predivide_factor must be > 0, got {factor}")
+    if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
+        raise TypeError("compression must be hvd.Compression.none, .fp16, .bf16 or a class "
+                        "with compress/decompress")
+
+
 def _weak_hook(opt: _DistributedOptimizer) -> Any:
     """The gradient hook, holding the optimizer weakly: a dropped optimizer stops reducing."""
     ref = weakref.ref(opt)
@@ -246,17 +324,27 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
     ``op`` is hvd.Average or hvd.Sum; ``gradient_predivide_factor=f`` divides by f before
     the sum and by size/f after; ``groups`` (int or list of lists of parameters) reduces
     those gradients together.
+
+    ``op=hvd.Adasum`` works as Horovod's Adasum optimizer: ``step()`` applies the local
+    update, then each parameter's change is Adasum-reduced over the ranks and applied (see
+    ``_DistributedAdasumOptimizer``; ``groups`` and ``sparse_as_dense`` do not apply).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not {type(optimizer).__name__}")
-    if isinstance(optimizer, _DistributedOptimizer):
+    if isinstance(optimizer, (_DistributedOptimizer, _DistributedAdasumOptimizer)):
         raise ValueError("this optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
+    _check_args(backward_passes_per_step, op, gradient_predivide_factor, compression)
+    adasum = to_op(op) == Adasum
     base = type(optimizer)
-    cls = type(base.__name__, (_DistributedOptimizer, base), {"__module__": base.__module__})
+    mixin = _DistributedAdasumOptimizer if adasum else _DistributedOptimizer
+    cls = type(base.__name__, (mixin, base), {"__module__": base.__module__})
     opt = cls.__new__(cls)
     opt.__dict__.update(optimizer.__dict__)
-    opt._hvd_setup(named_parameters, compression, backward_passes_per_step, op,
-                   gradient_predivide_factor, groups, sparse_as_dense)
+    if adasum:
+        opt._hvd_adasum_setup(named_parameters, compression, backward_passes_per_step)
+    else:
+        opt._hvd_setup(named_parameters, compression, backward_passes_per_step, op,
+                       gradient_predivide_factor, groups, sparse_as_dense)
     return opt
 
 
