@@ -82,7 +82,7 @@ def test_argument_errors(one_rank):
     with pytest.raises(TypeError, match="keras.optimizers"):
         hk.DistributedOptimizer(object())
     with pytest.raises(ValueError, match="Adasum"):
-        hvd.DistributedGradientTape(tf.GradientTape(), op=hvd.Adasum)
+        hk.DistributedOptimizer(keras.optimizers.SGD(), op=hvd.Adasum)   # as Horovod's Keras
     with pytest.raises(ValueError, match="backward_passes_per_step"):
         hk.DistributedOptimizer(keras.optimizers.SGD(), backward_passes_per_step=0)
     with pytest.raises(TypeError, match="tf.GradientTape"):

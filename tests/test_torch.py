@@ -86,8 +86,15 @@ def test_single_process(one_rank):
     with pytest.raises(ValueError, match="unique"):
         hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
                                  named_parameters=[("a", m.weight), ("a", m.bias)])
-    with pytest.raises(ValueError, match="Adasum"):
-        hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), op=hvd.Adasum)
+    # Adasum at one rank: the delta optimizer's step is the plain step
+    w0 = m.weight.detach().clone()
+    ada = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), op=hvd.Adasum)
+    m.weight.grad = torch.ones_like(m.weight)
+    m.bias.grad = torch.zeros_like(m.bias)
+    ada.step()
+    assert torch.allclose(m.weight.detach(), w0 - 0.1)
+    with pytest.raises(ValueError, match="hvd.Average, hvd.Sum or hvd.Adasum"):
+        hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), op=hvd.Max)
     with pytest.warns(DeprecationWarning):
         assert torch.equal(hvd.allreduce(torch.ones(2), average=False), torch.ones(2))
 

@@ -278,6 +278,9 @@ def reducescatter_async(tensor: Any, name: Optional[str] = None, op: Any = Avera
     if shape == ():
         raise ValueError("reducescatter needs a tensor with at least one dimension")
     op = ops.to_op(op)
+    if op == ops.Adasum:
+        raise ValueError("reducescatter does not take op=hvd.Adasum (Adasum is an allreduce); "
+                         "use hvd.Average or hvd.Sum")
     ops.check_op_dtype(op, dtype)
     eng = engine_of(process_set)
     ann = Ann(request_name("reducescatter", name, eng), "reducescatter", dtype, shape,

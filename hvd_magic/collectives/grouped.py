@@ -53,7 +53,8 @@ def _grouped(tensors: Sequence[Any], name: Optional[str], op: Any, prescale: flo
         label = base if len(groups) == 1 else f"{base}.{dtype}"
         if is_t and (dtype, device, False) in groups:
             label += ".torch"   # numpy and torch tensors of one dtype: two requests, two names
-        if device != "cpu":   # device tensors: one request each, fused by the engine
+        if device != "cpu" or ops.to_op(op) == ops.Adasum:
+            # device tensors, and Adasum (per tensor, as Horovod's): one request each
             for i in idxs:
                 t = tensors[i]
                 h = submit_allreduce(t, t if inplace else None, f"{label}.{i}", op, prescale,
@@ -242,6 +243,9 @@ def grouped_reducescatter_async(tensors: Sequence[Any], name: Optional[str] = No
     """Start a grouped reducescatter; ``synchronize(handle)`` returns the list of results."""
     _check_list(tensors, "grouped_reducescatter")
     op_ = ops.to_op(op)
+    if op_ == ops.Adasum:
+        raise ValueError("grouped_reducescatter does not take op=hvd.Adasum (Adasum is an "
+                         "allreduce); use hvd.Average or hvd.Sum")
     for i, t in enumerate(tensors):   # every tensor checked before any request goes out
         dtype, shape, _ = check_tensor(t, "grouped_reducescatter")
         if shape == ():

@@ -141,6 +141,21 @@ def run_collectives(hvd, torch):
         if not np.allclose(got, np.arange(1.0, n + 1)):
             fail(f"Adasum of orthogonal vectors is not their sum: {got}")
 
+    @case("grouped, per tensor")
+    def _():
+        a, b = vec(r, (5,), 700), vec(r, (3,), 701)
+        ga, gb = hvd.grouped_allreduce([a, b], name="grouped adasum", op=hvd.Adasum)
+        for label, got, seed, size in (("a", ga, 700, 5), ("b", gb, 701, 3)):
+            ref = reference_adasum([vec(k, (size,), seed) for k in range(n)])
+            if not np.allclose(got, ref, rtol=1e-10):
+                fail(f"grouped Adasum tensor {label} is not its own Adasum: {got[:3]} != {ref[:3]}")
+        try:
+            hvd.reducescatter(np.ones(2 * n), op=hvd.Adasum)
+            fail("reducescatter(op=Adasum): no error")
+        except ValueError as e:
+            if "Adasum" not in str(e):
+                fail(f"unclear reducescatter message: {e}")
+
     @case("integer dtypes")
     def _():
         for dtype in ("int32", "int64", "uint8", "bool"):

@@ -338,7 +338,7 @@ def _():
         FAILS.append("missing names: no error")
     except ValueError:
         pass
-    for bad in (hvd.Adasum, hvd.Max):
+    for bad in (hvd.Max,):      # (Adasum works: tests/mpi/coll_adasum.py)
         try:
             hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), op=bad)
             FAILS.append(f"op={bad}: no error")
