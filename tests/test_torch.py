@@ -44,9 +44,10 @@ def test_signatures_match_horovod():
     params = list(sig(hvd.DistributedOptimizer).parameters.values())
     assert [p.name for p in params] == ["optimizer", "named_parameters", "compression",
                                         "backward_passes_per_step", "op",
-                                        "gradient_predivide_factor", "groups", "sparse_as_dense"]
+                                        "gradient_predivide_factor", "num_groups", "groups",
+                                        "sparse_as_dense", "process_set"]
     assert [p.default for p in params[1:]] == [None, hvd.Compression.none, 1, hvd.Average, 1.0,
-                                               None, False]
+                                               0, None, False, hvd.global_process_set]
     assert list(sig(hvd.broadcast_parameters).parameters) == ["params", "root_rank"]
     assert sig(hvd.broadcast_optimizer_state).parameters["root_rank"].default == 0
 

@@ -21,7 +21,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 
 import hvd_magic.collectives as C
-from hvd_magic.collectives import Adasum, Average, Sum
+from hvd_magic.collectives import Adasum, Average, ProcessSet, Sum, global_process_set
 from hvd_magic.collectives.ops import to_op
 
 from .buckets import Bucket, bucket_caps, grad_views_enabled, make_buckets
@@ -39,7 +39,9 @@ class _DistributedOptimizer:
 
     def _hvd_setup(self, named_parameters: Optional[Iterable], compression: type[Compressor],
                    backward_passes_per_step: int, op: Any, gradient_predivide_factor: float,
-                   groups: Any, sparse_as_dense: bool) -> None:
+                   groups: Any, sparse_as_dense: bool, process_set: ProcessSet) -> None:
+        self._hvd_ps = process_set
+        self._hvd_n = n = _set_size(process_set)
         all_params = [p for g in self.param_groups for p in g["params"]]
         names = _param_names(self.param_groups, named_parameters)
         op = to_op(op)
@@ -54,15 +56,15 @@ class _DistributedOptimizer:
         self._hvd_requires = [p for p in all_params if p.requires_grad]
         self._hvd_views = grad_views_enabled()
         self._hvd_buckets = make_buckets(self._hvd_requires, names, groups,
-                                         bucket_caps() if C.size() > 1 else (0, 0))
+                                         bucket_caps() if n > 1 else (0, 0))
         self._hvd_bucket_of = {p: b for b in self._hvd_buckets for p in b.params}
-        if C.size() > 1:
-            _check_same_layout(self._hvd_buckets)
+        if n > 1:
+            _check_same_layout(self._hvd_buckets, process_set)
         self._hvd_delay = {p: backward_passes_per_step for p in self._hvd_requires}
         self._hvd_should_sync = True
         self._hvd_synchronized = False
         self._hvd_fired = 0              # hook calls since the last synchronize
-        if C.size() > 1:
+        if n > 1:
             hook = _weak_hook(self)
             for p in self._hvd_requires:
                 # A parameter serves one DistributedOptimizer: the newest (a notebook cell run
@@ -110,14 +112,15 @@ class _DistributedOptimizer:
         b.compressed, b.ctx = self._hvd_compression.compress(tensor)
         b.handle = C.allreduce_async_(b.compressed, name=b.name, op=self._hvd_op,
                                       prescale_factor=self._hvd_prescale,
-                                      postscale_factor=self._hvd_postscale)
+                                      postscale_factor=self._hvd_postscale,
+                                      process_set=self._hvd_ps)
         b.submitted = True
 
     # ------------------------------------------------------------------ public
     def synchronize(self) -> None:
         """Wait until every gradient is averaged over all ranks. Parameters whose gradient
         was not computed on this rank (unused in its forward pass) contribute zeros."""
-        if C.size() <= 1:
+        if self._hvd_n <= 1:
             self._hvd_synchronized = True
             return
         try:
@@ -196,7 +199,9 @@ class _DistributedAdasumOptimizer:
     """
 
     def _hvd_adasum_setup(self, named_parameters: Optional[Iterable], compression: type[Compressor],
-                          backward_passes_per_step: int) -> None:
+                          backward_passes_per_step: int, process_set: ProcessSet) -> None:
+        self._hvd_ps = process_set
+        self._hvd_n = _set_size(process_set)
         names = _param_names(self.param_groups, named_parameters)
         self._hvd_names = names
         self._hvd_compression = compression
@@ -207,8 +212,9 @@ class _DistributedAdasumOptimizer:
             if old is not None:
                 old.remove()
                 p._hvd_magic_hook = None
-        if C.size() > 1:
-            _check_same_layout([Bucket(i, [p], names[id(p)]) for i, p in enumerate(self._hvd_requires)])
+        if self._hvd_n > 1:
+            _check_same_layout([Bucket(i, [p], names[id(p)]) for i, p in enumerate(self._hvd_requires)],
+                               process_set)
 
     def synchronize(self) -> None:
         """Nothing to do: with Adasum the parameters' changes are reduced inside ``step()``."""
@@ -223,7 +229,7 @@ class _DistributedAdasumOptimizer:
     def step(self, closure: Any = None) -> Any:
         """The wrapped optimizer's step on the local gradients, then the Adasum of every
         rank's parameter change added to the parameters as they were before the step."""
-        if C.size() <= 1:
+        if self._hvd_n <= 1:
             return super().step(closure)  # type: ignore[misc]
         params = self._hvd_requires
         with torch.no_grad():
@@ -238,7 +244,7 @@ class _DistributedAdasumOptimizer:
                     delta = delta.cpu()
                 sent, ctx = comp.compress(delta)
                 pending.append((C.allreduce_async_(sent, name=f"adasum.{self._hvd_names[id(p)]}",
-                                                   op=Adasum), ctx))
+                                                   op=Adasum, process_set=self._hvd_ps), ctx))
             err: Optional[BaseException] = None
             for p, s, (handle, ctx) in zip(params, start, pending):
                 try:
@@ -313,8 +319,9 @@ def _weak_hook(opt: _DistributedOptimizer) -> Any:
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Optional[Iterable] = None,
                          compression: type[Compressor] = Compression.none,
                          backward_passes_per_step: int = 1, op: Any = Average,
-                         gradient_predivide_factor: float = 1.0, groups: Any = None,
-                         sparse_as_dense: bool = False) -> torch.optim.Optimizer:
+                         gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                         groups: Any = None, sparse_as_dense: bool = False,
+                         process_set: ProcessSet = global_process_set) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` uses gradients averaged over all ranks.
 
     The result is an instance of a subclass of ``optimizer``'s class sharing its
@@ -323,7 +330,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
     ``backward_passes_per_step=k`` accumulates k local backward passes before reducing;
     ``op`` is hvd.Average or hvd.Sum; ``gradient_predivide_factor=f`` divides by f before
     the sum and by size/f after; ``groups`` (int or list of lists of parameters) reduces
-    those gradients together.
+    those gradients together (``num_groups=k``, Horovod's older spelling, is ``groups=k``).
+    With ``process_set``, gradients are averaged over its ranks only (only they create it).
 
     ``op=hvd.Adasum`` works as Horovod's Adasum optimizer: ``step()`` applies the local
     update, then each parameter's change is Adasum-reduced over the ranks and applied (see
@@ -334,6 +342,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
     if isinstance(optimizer, (_DistributedOptimizer, _DistributedAdasumOptimizer)):
         raise ValueError("this optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
     _check_args(backward_passes_per_step, op, gradient_predivide_factor, compression)
+    if num_groups and groups is None:
+        groups = num_groups
+    if process_set.process_set_id != 0 and not process_set.included():
+        raise ValueError(f"DistributedOptimizer(process_set={process_set}): rank {C.rank()} is not "
+                         "in that set; only its ranks wrap their optimizer with it")
     adasum = to_op(op) == Adasum
     base = type(optimizer)
     mixin = _DistributedAdasumOptimizer if adasum else _DistributedOptimizer
@@ -341,21 +354,26 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
     opt = cls.__new__(cls)
     opt.__dict__.update(optimizer.__dict__)
     if adasum:
-        opt._hvd_adasum_setup(named_parameters, compression, backward_passes_per_step)
+        opt._hvd_adasum_setup(named_parameters, compression, backward_passes_per_step, process_set)
     else:
         opt._hvd_setup(named_parameters, compression, backward_passes_per_step, op,
-                       gradient_predivide_factor, groups, sparse_as_dense)
+                       gradient_predivide_factor, groups, sparse_as_dense, process_set)
     return opt
 
 
-def _check_same_layout(buckets: list) -> None:
+def _set_size(process_set: ProcessSet) -> int:
+    return C.size() if process_set.process_set_id == 0 else (process_set.size() or 0)
+
+
+def _check_same_layout(buckets: list, process_set: ProcessSet = global_process_set) -> None:
     """Every rank must cut its gradients into the same buckets (same names, shapes, dtypes);
     otherwise the ranks would submit differently named requests and stall. One small
     allgather at construction turns that into a clear error on every rank."""
     import hashlib
     layout = [(b.name, [(tuple(p.shape), str(p.dtype)) for p in b.params]) for b in buckets]
     digest = hashlib.sha1(repr(layout).encode()).hexdigest()
-    everyone = C.allgather_object((digest, layout), name="DistributedOptimizer.layout")
+    everyone = C.allgather_object((digest, layout), name="DistributedOptimizer.layout",
+                                  process_set=process_set)
     if len({d for d, _ in everyone}) == 1:
         return
     ref = everyone[0][1]

@@ -158,6 +158,21 @@ def torch_face():
     outs = th.grouped_allreduce([torch.ones(2), torch.ones(1)], op=th.Sum, process_set=mine)
     check(all(torch.allclose(o, torch.full_like(o, float(len(mates)))) for o in outs), "grouped")
     th.barrier(process_set=mine)
+    # DistributedOptimizer(process_set=...): gradients averaged over the set only
+    for op in (th.Average, th.Adasum):
+        w = torch.nn.Parameter(torch.zeros(2))
+        opt = th.DistributedOptimizer(torch.optim.SGD([w], lr=1.0), named_parameters=[("w", w)],
+                                      op=op, process_set=mine)
+        (w * float(r)).sum().backward()              # gradient r on rank r
+        opt.step()
+        want = -float(np.mean(mates)) if op == th.Average else None
+        if want is not None:
+            check(torch.allclose(w.detach(), torch.full((2,), want)), f"set optimizer {w.detach()}")
+        everyone = th.allgather_object(w.detach().tolist(), process_set=mine)
+        check(all(e == everyone[0] for e in everyone), f"{op}: set ranks differ {everyone}")
+    other = od if mine is ev else ev
+    raises(lambda: th.DistributedOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0),
+                                           process_set=other), ValueError, "is not in that set")
     th.remove_process_set(od)
     th.remove_process_set(ev)
     th.shutdown()
