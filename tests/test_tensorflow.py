@@ -21,13 +21,41 @@ mpi_threads_supported mpi_enabled mpi_built gloo_enabled gloo_built nccl_built d
 cuda_built rocm_built is_homogeneous start_timeline stop_timeline join barrier broadcast_object
 allgather_object allreduce grouped_allreduce allgather broadcast alltoall reducescatter
 broadcast_variables DistributedGradientTape Compression Average Sum Adasum Min Max Product
-HorovodInternalError""".split()
+HorovodInternalError ProcessSet global_process_set add_process_set remove_process_set""".split()
+HOROVOD_TF_ONLY = """grouped_allgather grouped_reducescatter broadcast_ broadcast_object_fn size_op
+process_set_included_op local_size_op rank_op local_rank_op""".split()
+
+# horovod.tensorflow 0.28's parameters, in order (hvd_magic may add parameters after them)
+HOROVOD_TF_SIGNATURES = {
+    "allreduce": "tensor average device_dense device_sparse compression op prescale_factor "
+                 "postscale_factor name process_set ignore_name_scope",
+    "grouped_allreduce": "tensors average device_dense device_sparse compression op prescale_factor "
+                         "postscale_factor process_set ignore_name_scope name",
+    "allgather": "tensor name ignore_name_scope process_set",
+    "grouped_allgather": "tensors name ignore_name_scope process_set",
+    "broadcast": "tensor root_rank name ignore_name_scope process_set",
+    "broadcast_": "variables root_rank name process_set",
+    "alltoall": "tensor splits name ignore_name_scope process_set",
+    "reducescatter": "tensor device_dense compression op name process_set ignore_name_scope "
+                     "prescale_factor postscale_factor",
+    "grouped_reducescatter": "tensors device_dense compression op process_set prescale_factor "
+                             "postscale_factor",
+    "broadcast_variables": "variables root_rank process_set inplace",
+    "broadcast_object": "obj root_rank session name process_set",
+    "broadcast_object_fn": "root_rank session name process_set",
+    "allgather_object": "obj session name process_set",
+    "size_op": "process_set_id name",
+    "process_set_included_op": "process_set_id name",
+}
 
 
 def test_public_names():
-    assert not [n for n in HOROVOD_TF_NAMES if not hasattr(hvd, n)]
+    assert not [n for n in HOROVOD_TF_NAMES + HOROVOD_TF_ONLY if not hasattr(hvd, n)]
     assert not [n for n in HOROVOD_TF_NAMES + ["DistributedOptimizer", "load_model", "callbacks"]
                 if n != "DistributedGradientTape" and not hasattr(hk, n)]
+    assert hk.ProcessSet is hvd.ProcessSet and hk.global_process_set is hvd.global_process_set
+    # names Horovod does not have, added here by mistake once
+    assert not [n for n in ("cross_size_op", "cross_rank_op") if hasattr(hvd, n) or hasattr(hk, n)]
     for cb in ("BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateWarmupCallback",
                "LearningRateScheduleCallback", "BestModelCheckpoint"):
         assert hasattr(hk.callbacks, cb)
@@ -46,7 +74,14 @@ def test_signatures_match_horovod():
                             "num_groups", "groups"]
     assert list(inspect.signature(hk.load_model).parameters) == ["filepath", "custom_optimizers",
                                                                  "custom_objects", "compression"]
-    assert list(inspect.signature(hvd.broadcast_variables).parameters) == ["variables", "root_rank"]
+    for name, want in HOROVOD_TF_SIGNATURES.items():
+        params = inspect.signature(getattr(hvd, name)).parameters
+        assert list(params)[:len(want.split())] == want.split(), name
+        if "process_set" in params:
+            assert params["process_set"].default is hvd.global_process_set, name
+        if "ignore_name_scope" in params:
+            assert params["ignore_name_scope"].default is False, name
+    assert list(inspect.signature(hvd.grouped_reducescatter).parameters)[-1] == "name"
 
 
 def test_compression_dtypes():
@@ -91,6 +126,33 @@ def test_argument_errors(one_rank):
         hk.DistributedOptimizer(hk.DistributedOptimizer(keras.optimizers.SGD()))
     with pytest.raises(ValueError, match="jit_compile"):
         tf.function(lambda: hvd.allreduce(tf.ones([2])), jit_compile=True)()
+
+
+def test_process_set_arguments_one_rank(one_rank):
+    """process_set=, ignore_name_scope and the set ops on one rank (no mpiexec); sets of
+    several ranks are checked under mpiexec (tf_checks.py)."""
+    x = tf.constant([1.0, 2.0])
+    out = hvd.allreduce(x, process_set=hvd.global_process_set, ignore_name_scope=True)
+    assert out.numpy().tolist() == [1.0, 2.0]
+    assert int(hvd.size_op()) == 1 and int(hvd.size_op(0)) == 1
+    assert int(hvd.process_set_included_op()) == 1
+    assert hvd.size_op().dtype == tf.int32 and hvd.process_set_included_op().dtype == tf.int32
+    out = hvd.alltoall(tf.constant([5, 6]))               # no splits: the output alone, as Horovod
+    assert isinstance(out, tf.Tensor) and out.numpy().tolist() == [5, 6]
+    out, received = hvd.alltoall(tf.constant([5, 6]), splits=[2])
+    assert out.numpy().tolist() == [5, 6] and received.numpy().tolist() == [2]
+    with pytest.raises(ValueError, match="process_set_id=5"):
+        hvd.size_op(5)
+    with pytest.raises(ValueError, match="process_set_id=5"):
+        hvd.process_set_included_op(5)
+    with pytest.raises(TypeError, match="process_set_id must be an int"):
+        hvd.size_op("0")
+    with pytest.raises(ValueError, match="not registered"):
+        hvd.allgather(x, process_set=hvd.ProcessSet([0]))
+    with pytest.raises(TypeError, match="ProcessSet"):
+        hvd.broadcast(x, 0, process_set=1)
+    with pytest.raises(ValueError, match="add_process_set"):
+        hvd.add_process_set([0])          # not dynamic: says what to set
 
 
 def test_import_errors_say_what_to_install():

@@ -23,15 +23,17 @@ from hvd_magic.tensorflow._compat import import_keras
 import_keras()   # ImportError with what to install / which backend to pick
 
 from hvd_magic.tensorflow import (Adasum, Average, Compression, Compressor,  # noqa: E402
-                                  HorovodInternalError, HvdError, Max, Min, Product, ReduceOp,
-                                  StallError, Sum, TensorMismatchError, allgather,
-                                  allgather_object, allreduce, alltoall, barrier, broadcast,
-                                  broadcast_object, broadcast_variables, ccl_built, cross_rank,
-                                  cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled,
-                                  grouped_allreduce, init, is_homogeneous, is_initialized, join,
-                                  local_rank, local_size, mpi_built, mpi_enabled,
-                                  mpi_threads_supported, nccl_built, rank, reducescatter,
-                                  rocm_built, shutdown, size, start_timeline, stop_timeline)
+                                  HorovodInternalError, HvdError, Max, Min, ProcessSet, Product,
+                                  ReduceOp, StallError, Sum, TensorMismatchError,
+                                  add_process_set, allgather, allgather_object, allreduce,
+                                  alltoall, barrier, broadcast, broadcast_object,
+                                  broadcast_variables, ccl_built, cross_rank, cross_size,
+                                  cuda_built, ddl_built, gloo_built, gloo_enabled,
+                                  global_process_set, grouped_allreduce, init, is_homogeneous,
+                                  is_initialized, join, local_rank, local_size, mpi_built,
+                                  mpi_enabled, mpi_threads_supported, nccl_built, rank,
+                                  reducescatter, remove_process_set, rocm_built, shutdown, size,
+                                  start_timeline, stop_timeline)
 
 from . import callbacks  # noqa: E402
 from .optimizer import DistributedOptimizer, is_distributed  # noqa: E402

@@ -20,7 +20,8 @@ by changing its import::
         return loss
 
 The collectives take tf.Tensor / tf.Variable, run eagerly or inside ``tf.function`` (not
-under ``jit_compile=True``) and are differentiable. Tensors travel over MPI through the
+under ``jit_compile=True``) and are differentiable; each takes ``process_set=`` (a
+:class:`ProcessSet`) to run among some of the ranks. Tensors travel over MPI through the
 runtime in :mod:`hvd_magic.collectives`. For Keras ``model.fit`` see :mod:`hvd_magic.keras`.
 """
 from __future__ import annotations
@@ -30,18 +31,19 @@ from ._compat import import_tf
 import_tf()   # ImportError with what to install before anything else touches TensorFlow
 
 from hvd_magic.collectives import (Adasum, Average, HorovodInternalError, HvdError,  # noqa: E402
-                                   Max, Min, Product, ReduceOp, StallError, Sum,
-                                   TensorMismatchError, ccl_built, cross_rank, cross_size,
-                                   cuda_built, gloo_built, gloo_enabled, init, is_initialized,
-                                   local_rank, local_size, mpi_built, mpi_enabled,
-                                   mpi_threads_supported, nccl_built, rank, rocm_built, shutdown,
+                                   Max, Min, ProcessSet, Product, ReduceOp, StallError, Sum,
+                                   TensorMismatchError, add_process_set, ccl_built, cross_rank,
+                                   cross_size, cuda_built, gloo_built, gloo_enabled,
+                                   global_process_set, init, is_initialized, local_rank,
+                                   local_size, mpi_built, mpi_enabled, mpi_threads_supported,
+                                   nccl_built, rank, remove_process_set, rocm_built, shutdown,
                                    size, start_timeline, stop_timeline)
 
 from .compression import Compression, Compressor  # noqa: E402
 from .functions import (allgather_object, broadcast_, broadcast_object,  # noqa: E402
-                        broadcast_object_fn, broadcast_variables, cross_rank_op, cross_size_op,
-                        grouped_allgather, grouped_reducescatter, local_rank_op, local_size_op,
-                        rank_op, size_op)
+                        broadcast_object_fn, broadcast_variables, grouped_allgather,
+                        grouped_reducescatter, local_rank_op, local_size_op,
+                        process_set_included_op, rank_op, size_op)
 from .gradient_tape import DistributedGradientTape  # noqa: E402
 from .mpi_ops import (allgather, allreduce, alltoall, barrier, broadcast,  # noqa: E402
                       grouped_allreduce, join, reducescatter)

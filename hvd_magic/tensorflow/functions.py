@@ -1,9 +1,9 @@
 """Built on the collectives of :mod:`.mpi_ops`: the grouped allgather / reducescatter
 (one request per tensor, differentiable like the single ops: the allgather gradient is
-Sum-allreduced and each rank keeps its rows, the reducescatter gradient is allgathered and
-scaled like the forward pass), starting every rank from the root's variables
-(``broadcast_variables``, ``broadcast_``), the object collectives (re-exported from the
-runtime, plus ``broadcast_object_fn``) and the rank/size ops."""
+averaged over the ranks and each rank keeps its rows, the reducescatter gradient is
+allgathered and scaled like the forward pass), starting every rank from the root's variables
+(``broadcast_variables``, ``broadcast_``), the object collectives and the rank/size ops.
+Each takes ``process_set=`` where Horovod's does, in Horovod's position."""
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Optional, Sequence
@@ -11,20 +11,21 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import numpy as np
 
 import hvd_magic.collectives as C
-from hvd_magic.collectives import Average, Sum, allgather_object, broadcast_object
+from hvd_magic.collectives import Average, ProcessSet, global_process_set
 from hvd_magic.collectives.grouped import grouped_allgather_rows
 from hvd_magic.collectives.ops import to_op
+from hvd_magic.collectives.process_sets import engine_of
 
 from ._compat import import_tf
 from .compression import Compression, Compressor, check_compression
-from .mpi_ops import _check_grad_op, _grouped, _my_rows, _tensor, host_call
+from .mpi_ops import _check_grad_op, _grouped, _my_rows, _own_rows, _place, _tensor, host_call
 
 tf = import_tf()
 _plain = tf.autograph.experimental.do_not_convert
 
 __all__ = ["grouped_allgather", "grouped_reducescatter", "broadcast_variables", "broadcast_",
            "broadcast_object", "broadcast_object_fn", "allgather_object", "size_op",
-           "local_size_op", "cross_size_op", "rank_op", "local_rank_op", "cross_rank_op"]
+           "process_set_included_op", "local_size_op", "rank_op", "local_rank_op"]
 
 
 # ---------------------------------------------------------------- grouped allgather, reducescatter
@@ -39,9 +40,11 @@ def _dense_list(tensors: Any, fn: str) -> list:
 
 
 @_plain
-def grouped_allgather(tensors: Sequence[Any], name: Optional[str] = None) -> list:
-    """:func:`allgather` of every tensor of the list, negotiated together (tensor i is named
-    ``f"{name}.{i}"``); differentiable.
+def grouped_allgather(tensors: Sequence[Any], name: Optional[str] = None,
+                      ignore_name_scope: bool = False,
+                      process_set: ProcessSet = global_process_set) -> list:
+    """:func:`allgather` of every tensor of the list (over ``process_set``), negotiated
+    together (tensor i is named ``f"{name}.{i}"``); differentiable.
 
     Example, 2 ranks::
 
@@ -51,11 +54,12 @@ def grouped_allgather(tensors: Sequence[Any], name: Optional[str] = None) -> lis
     xs = _dense_list(tensors, "grouped_allgather")
     if not xs:
         raise ValueError("grouped_allgather got an empty list; pass at least one tensor")
+    r, _ = _place(process_set)
     k, scalars = len(xs), [x.shape.rank == 0 for x in xs]
 
     def host(*arrays: Any) -> list:
-        outs, rows = grouped_allgather_rows(list(arrays), name)
-        return outs + [np.asarray(r, dtype=np.int64) for r in rows]
+        outs, rows = grouped_allgather_rows(list(arrays), name, process_set)
+        return outs + [np.asarray(rw, dtype=np.int64) for rw in rows]
 
     @tf.custom_gradient
     def f(*ts: Any) -> Any:
@@ -65,27 +69,21 @@ def grouped_allgather(tensors: Sequence[Any], name: Optional[str] = None) -> lis
         ys, rows = outs[:k], outs[k:]
 
         def grad(*dys: Any) -> Any:
-            summed = _grouped([tf.convert_to_tensor(d) for d in dys], None, Sum, 1.0, 1.0)
-            r, mine = C.rank(), []
-            for g, rw, scalar in zip(summed, rows, scalars):
-                start = tf.reduce_sum(rw[:r])
-                m = g[start:start + rw[r]]
-                mine.append(tf.reshape(m, []) if scalar else m)
-            return mine
+            avg = _grouped([tf.convert_to_tensor(d) for d in dys], None, Average, 1.0, 1.0, process_set)
+            return [_own_rows(g, rw, r, sc) for g, rw, sc in zip(avg, rows, scalars)]
         return ys, grad
     return list(f(*xs))
-
-
 
 
 @_plain
 def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
                           compression: type[Compressor] = Compression.none, op: Any = Average,
+                          process_set: ProcessSet = global_process_set,
                           prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                           name: Optional[str] = None) -> list:
-    """:func:`reducescatter` of every tensor of the list, negotiated together (tensor i is
-    named ``f"{name}.{i}"``); differentiable for Average and Sum. An empty list comes back
-    as it is, as in Horovod.
+    """:func:`reducescatter` of every tensor of the list (over ``process_set``), negotiated
+    together (tensor i is named ``f"{name}.{i}"``); differentiable for Average and Sum. An
+    empty list comes back as it is, as in Horovod.
 
     Example, 2 ranks, op=Sum::
 
@@ -99,25 +97,28 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
         return []
     if any(x.shape.rank == 0 for x in xs):
         raise ValueError("grouped_reducescatter needs tensors with at least one dimension")
+    _place(process_set)
     pairs = [compression.compress(x) for x in xs]
     outs = _grouped_reducescatter([p[0] for p in pairs], name, op, float(prescale_factor),
-                                  float(postscale_factor))
+                                  float(postscale_factor), process_set)
     return [compression.decompress(o, p[1]) for o, p in zip(outs, pairs)]
 
 
-def _grouped_reducescatter(xs: list, name: Optional[str], op: Any, pre: float, post: float) -> list:
+def _grouped_reducescatter(xs: list, name: Optional[str], op: Any, pre: float, post: float,
+                           ps: ProcessSet) -> list:
+    r, n = _place(ps)
+
     @tf.custom_gradient
     def f(*ts: Any) -> Any:
-        n, r = C.size(), C.rank()
         shapes = [tf.TensorShape([_my_rows(t.shape[0], n, r)]).concatenate(t.shape[1:]) for t in ts]
         outs = host_call(lambda *a: C.grouped_reducescatter(list(a), name=name, op=op, prescale_factor=pre,
-                                                            postscale_factor=post),
+                                                            postscale_factor=post, process_set=ps),
                          ts, [t.dtype for t in ts], shapes, "grouped_reducescatter")
 
         def grad(*dys: Any) -> Any:
             _check_grad_op(op, "grouped_reducescatter")
-            gs = grouped_allgather([tf.convert_to_tensor(d) for d in dys])
-            scale = pre * post / (C.size() if op == Average else 1)
+            gs = grouped_allgather([tf.convert_to_tensor(d) for d in dys], process_set=ps)
+            scale = pre * post / (n if op == Average else 1)
             return [g * tf.cast(scale, g.dtype) if scale != 1.0 else g for g in gs]
         return outs, grad
     return list(f(*xs))
@@ -145,7 +146,7 @@ def _variables(variables: Any, fn: str = "broadcast_variables") -> list:
     return out
 
 
-def _packed_broadcast(arrays: list, root_rank: int, name: str) -> list:
+def _packed_broadcast(arrays: list, root_rank: int, name: str, ps: ProcessSet) -> list:
     """One broadcast per dtype: pack same-dtype arrays into one flat buffer."""
     groups: dict = {}
     for i, a in enumerate(arrays):
@@ -153,7 +154,7 @@ def _packed_broadcast(arrays: list, root_rank: int, name: str) -> list:
     out: list = [None] * len(arrays)
     for key, idxs in sorted(groups.items()):
         flat = np.concatenate([np.asarray(arrays[i]).reshape(-1) for i in idxs])
-        got = C.broadcast(flat, root_rank, name=f"{name}.{key}")
+        got = C.broadcast(flat, root_rank, name=f"{name}.{key}", process_set=ps)
         got = np.asarray(got).view(flat.dtype) if got.dtype != flat.dtype else np.asarray(got)
         off = 0
         for i in idxs:
@@ -163,14 +164,21 @@ def _packed_broadcast(arrays: list, root_rank: int, name: str) -> list:
     return out
 
 
-_counter = [0]
+def _broadcast_values(vs: list, root_rank: int, name: Optional[str], ps: ProcessSet, kind: str) -> list:
+    """The root's values of ``vs`` (tensors; one host call, one broadcast per dtype)."""
+    base = C.api.request_name(kind, name, engine_of(ps))
+    return host_call(lambda *a: _packed_broadcast(list(a), root_rank, base, ps),
+                     [v.read_value() for v in vs], [v.dtype for v in vs], [v.shape for v in vs], kind)
 
 
 @tf.autograph.experimental.do_not_convert
-def broadcast_variables(variables: Iterable[Any], root_rank: int = 0) -> Any:
-    """Overwrite every rank's variables with ``root_rank``'s values (call on every rank with
-    the same variables in the same order). Eagerly it returns None; inside ``tf.function`` it
-    returns the grouped assign op. Variables of one dtype travel as one buffer.
+def broadcast_variables(variables: Iterable[Any], root_rank: int = 0,
+                        process_set: ProcessSet = global_process_set, inplace: bool = False) -> Any:
+    """Overwrite every rank's variables (every rank of ``process_set``) with ``root_rank``'s
+    values (call on every rank with the same variables in the same order). Eagerly it returns
+    None; inside ``tf.function`` it returns the grouped assign op. Variables of one dtype
+    travel as one buffer. ``inplace`` is accepted for Horovod compatibility: the variables
+    are always assigned in place here.
 
     Example, 2 ranks::
 
@@ -178,14 +186,10 @@ def broadcast_variables(variables: Iterable[Any], root_rank: int = 0) -> Any:
         rank 1: w = [[0.7, 0.3]]  ->  [[0.1, 0.2]]
     """
     vs = _variables(variables)
-    C.api.check_root(root_rank)
+    C.api.check_root(root_rank, engine_of(process_set))   # ValueError off the set or its ranks
     if not vs:
         return None
-    _counter[0] += 1
-    name = f"broadcast_variables.{_counter[0]}"
-    values = host_call(lambda *a: _packed_broadcast(list(a), root_rank, name),
-                       [v.read_value() for v in vs], [v.dtype for v in vs],
-                       [v.shape for v in vs], "broadcast_variables")
+    values = _broadcast_values(vs, root_rank, None, process_set, "broadcast_variables")
     assigns = [v.assign(x) for v, x in zip(vs, values)]
     if tf.executing_eagerly():
         return None
@@ -193,9 +197,11 @@ def broadcast_variables(variables: Iterable[Any], root_rank: int = 0) -> Any:
 
 
 @_plain
-def broadcast_(variables: Iterable[Any], root_rank: int, name: Optional[str] = None) -> list:
-    """In-place broadcast: every rank's ``variables`` are assigned ``root_rank``'s values
-    (variables of one dtype travel as one buffer); returns their new values, as Horovod does.
+def broadcast_(variables: Iterable[Any], root_rank: int, name: Optional[str] = None,
+               process_set: ProcessSet = global_process_set) -> list:
+    """In-place broadcast: every rank's ``variables`` (every rank of ``process_set``) are
+    assigned ``root_rank``'s values (variables of one dtype travel as one buffer); returns
+    their new values, as Horovod does.
 
     Example, 2 ranks::
 
@@ -203,20 +209,32 @@ def broadcast_(variables: Iterable[Any], root_rank: int, name: Optional[str] = N
         rank 1: v = tf.Variable([0., 0.]); broadcast_([v], root_rank=0)  -> [[1., 2.]]; v holds [1., 2.]
     """
     vs = _variables(variables, "broadcast_")
-    C.api.check_root(root_rank)
+    C.api.check_root(root_rank, engine_of(process_set))   # ValueError off the set or its ranks
     if not vs:
         return []
-    base = C.api.request_name("broadcast_", name)
-    values = host_call(lambda *a: _packed_broadcast(list(a), root_rank, base),
-                       [v.read_value() for v in vs], [v.dtype for v in vs],
-                       [v.shape for v in vs], "broadcast_")
+    values = _broadcast_values(vs, root_rank, name, process_set, "broadcast_")
     assigns = [v.assign(x) for v, x in zip(vs, values)]
     with tf.control_dependencies(assigns):
         return [tf.identity(v.read_value()) for v in vs]
 
 
-def broadcast_object_fn(root_rank: int = 0, session: Any = None,
-                        name: Optional[str] = None) -> Callable[[Any], Any]:
+# ---------------------------------------------------------------- objects
+
+def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """Every rank (of ``process_set``) gets ``root_rank``'s picklable object. ``session``
+    (TensorFlow 1) is accepted and not used.
+
+    Example, 2 ranks::
+
+        rank 0: broadcast_object({"lr": 0.1})  -> {"lr": 0.1}
+        rank 1: broadcast_object(None)         -> {"lr": 0.1}
+    """
+    return C.broadcast_object(obj, root_rank, name=name, process_set=process_set)
+
+
+def broadcast_object_fn(root_rank: int = 0, session: Any = None, name: Optional[str] = None,
+                        process_set: ProcessSet = global_process_set) -> Callable[[Any], Any]:
     """A function ``f(obj)`` that returns ``root_rank``'s ``obj`` on every rank (see
     :func:`broadcast_object`). ``session`` (TensorFlow 1) is accepted and not used.
 
@@ -226,8 +244,21 @@ def broadcast_object_fn(root_rank: int = 0, session: Any = None,
         rank 1: broadcast_object_fn(root_rank=0)(None)          -> {"epoch": 3}
     """
     def bcast(obj: Any) -> Any:
-        return broadcast_object(obj, root_rank, name)
+        return broadcast_object(obj, root_rank, name=name, process_set=process_set)
     return bcast
+
+
+def allgather_object(obj: Any, session: Any = None, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> list:
+    """List of every rank's picklable object (every rank of ``process_set``, in set order).
+    ``session`` (TensorFlow 1) is accepted and not used.
+
+    Example, 2 ranks::
+
+        rank 0: allgather_object("a")  -> ["a", "b"]
+        rank 1: allgather_object("b")  -> ["a", "b"]
+    """
+    return C.allgather_object(obj, name=name, process_set=process_set)
 
 
 # ---------------------------------------------------------------- rank and size as tensors
@@ -236,25 +267,47 @@ def _int_op(value: int, name: Optional[str]) -> Any:
     return tf.constant(value, dtype=tf.int32, name=name)
 
 
+def _registered(process_set_id: Any, fn: str) -> ProcessSet:
+    """The registered set ``process_set_id`` names (ValueError when there is none)."""
+    if isinstance(process_set_id, bool) or not isinstance(process_set_id, (int, np.integer)):
+        raise TypeError(f"{fn}: process_set_id must be an int (a set's .process_set_id), "
+                        f"not {process_set_id!r}")
+    if process_set_id == 0:
+        return global_process_set
+    ps = ProcessSet([])          # a handle on the registered id, as Horovod's ops take ids
+    ps.process_set_id = int(process_set_id)
+    try:
+        ps.size()
+    except ValueError:
+        raise ValueError(f"{fn}(process_set_id={process_set_id}): no process set with that id is "
+                         "registered (0 is the global set; hvd.add_process_set or "
+                         "hvd.init(process_sets=[...]) give the others theirs)") from None
+    return ps
+
+
 def size_op(process_set_id: int = 0, name: Optional[str] = None) -> Any:
-    """The number of ranks as an int32 scalar tensor. Its value is taken when the op is made
-    (inside ``tf.function``: when it is traced). Example, 2 ranks: every rank -> 2."""
-    if process_set_id != 0:
-        raise ValueError(f"size_op(process_set_id={process_set_id!r}): only the global set (0) is "
-                         "supported here; use hvd.size_op() or hvd.size()")
-    return _int_op(C.size(), name)
+    """The number of ranks (of the process set with id ``process_set_id``) as an int32 scalar
+    tensor. Its value is taken when the op is made (inside ``tf.function``: when it is traced).
+
+    Example, 3 ranks, ``odds = hvd.add_process_set([1])``: every rank: ``size_op()`` -> 3,
+    ``size_op(odds.process_set_id)`` -> 1.
+    """
+    ps = _registered(process_set_id, "size_op")
+    return _int_op(C.size() if ps.process_set_id == 0 else ps.size(), name)
+
+
+def process_set_included_op(process_set_id: int = 0, name: Optional[str] = None) -> Any:
+    """1 where this rank is in the process set with id ``process_set_id``, else 0, as an int32
+    scalar tensor (see :func:`size_op`). Example, 3 ranks, ``odds = hvd.add_process_set([1])``:
+    rank 1 -> 1, ranks 0 and 2 -> 0; ``process_set_included_op()`` -> 1 everywhere."""
+    ps = _registered(process_set_id, "process_set_included_op")
+    return _int_op(1 if ps.process_set_id == 0 or ps.rank() is not None else 0, name)
 
 
 def local_size_op(name: Optional[str] = None) -> Any:
     """The number of ranks on this host, as an int32 scalar tensor (see :func:`size_op`).
     Example, 2 ranks on one host: every rank -> 2."""
     return _int_op(C.local_size(), name)
-
-
-def cross_size_op(name: Optional[str] = None) -> Any:
-    """The number of hosts, as an int32 scalar tensor (see :func:`size_op`).
-    Example, 2 ranks on one host: every rank -> 1."""
-    return _int_op(C.cross_size(), name)
 
 
 def rank_op(name: Optional[str] = None) -> Any:
@@ -267,9 +320,3 @@ def local_rank_op(name: Optional[str] = None) -> Any:
     """This rank's number on its host, as an int32 scalar tensor (see :func:`size_op`).
     Example, 2 ranks on one host: rank 0 -> 0, rank 1 -> 1."""
     return _int_op(C.local_rank(), name)
-
-
-def cross_rank_op(name: Optional[str] = None) -> Any:
-    """This rank's host number, as an int32 scalar tensor (see :func:`size_op`).
-    Example, 2 ranks on one host: every rank -> 0."""
-    return _int_op(C.cross_rank(), name)

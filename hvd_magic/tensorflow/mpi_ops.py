@@ -5,13 +5,17 @@ output shape set where it is known (not under ``jit_compile=True``: XLA cannot c
 into Python). The reductions, gathers and broadcasts are differentiable, as in Horovod:
 
 - allreduce / grouped_allreduce: the gradient is allreduced with the same op and factors;
-- allgather: the gradient is Sum-allreduced and each rank keeps its own rows;
-- broadcast: the gradient is Sum-allreduced; the root keeps it, other ranks get zeros;
+- allgather: the gradient is averaged over the ranks and each rank keeps its own rows;
+- broadcast: the gradient is averaged over the ranks; the root keeps it, others get zeros
+  (allgather and broadcast average as ``horovod.tensorflow`` does);
 - reducescatter: the gradient is allgathered (and scaled like the forward pass);
 - alltoall: the gradient travels back with ``alltoall(grad, splits=received_splits)``.
 
 Every rank must run the same collectives (and so the same backward passes) in the same order,
-or pass the same ``name`` for matching calls.
+or pass the same ``name`` for matching calls. With ``process_set=``, only the set's ranks call
+the collective, its backward pass runs in the same set, shapes follow the set's size and this
+rank's place in it, and ``root_rank`` stays the global rank. ``ignore_name_scope`` has no
+effect: requests are named by ``name`` or by call order, never by TensorFlow name scopes.
 """
 from __future__ import annotations
 
@@ -20,8 +24,9 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 import hvd_magic.collectives as C
-from hvd_magic.collectives import Average, Sum
+from hvd_magic.collectives import Average, ProcessSet, Sum, global_process_set
 from hvd_magic.collectives.ops import resolve_op, to_op
+from hvd_magic.collectives.process_sets import engine_of
 
 from ._compat import import_tf
 from .compression import Compression, Compressor, check_compression
@@ -93,6 +98,15 @@ def _tensor(x: Any, fn: str) -> Any:
 _op = resolve_op   # Horovod's average=/op= rule, shared by the faces
 
 
+def _place(process_set: ProcessSet) -> tuple:
+    """``(rank within, size of)`` ``process_set`` for this rank; ValueError naming the set when
+    this rank is not in it (or it is not registered), TypeError when it is no ProcessSet."""
+    engine_of(process_set)
+    if process_set.process_set_id == 0:
+        return C.rank(), C.size()
+    return process_set.rank(), process_set.size()
+
+
 def _check_grad_op(op: Any, fn: str) -> None:
     if op not in (Average, Sum):
         raise ValueError(f"the gradient of {fn} is only defined for op=hvd.Average or hvd.Sum, not "
@@ -101,31 +115,33 @@ def _check_grad_op(op: Any, fn: str) -> None:
 
 # ---------------------------------------------------------------- allreduce
 
-def _allreduce(x: Any, name: Optional[str], op: Any, pre: float, post: float) -> Any:
+def _allreduce(x: Any, name: Optional[str], op: Any, pre: float, post: float,
+               ps: ProcessSet = global_process_set) -> Any:
     @tf.custom_gradient
     def f(t: Any) -> Any:
         (y,) = host_call(lambda a: [C.allreduce(a, name=name, op=op, prescale_factor=pre,
-                                                postscale_factor=post)],
+                                                postscale_factor=post, process_set=ps)],
                          [t], [t.dtype], [t.shape], "allreduce")
 
         def grad(dy: Any) -> Any:
             _check_grad_op(op, "allreduce")
-            return _allreduce(tf.convert_to_tensor(dy), None, op, pre, post)
+            return _allreduce(tf.convert_to_tensor(dy), None, op, pre, post, ps)
         return y, grad
     return f(x)
 
 
 @_plain
-def _sparse_allreduce(s: Any, name: Optional[str], op: Any) -> Any:
+def _sparse_allreduce(s: Any, name: Optional[str], op: Any,
+                      ps: ProcessSet = global_process_set) -> Any:
     """Horovod's allreduce of tf.IndexedSlices: allgather values and indices (Average divides
     the values by the number of ranks); duplicates are summed when the slices are applied."""
     if op not in (Average, Sum):
         raise ValueError("allreduce of tf.IndexedSlices supports op=hvd.Average or hvd.Sum; "
                          "densify with tf.convert_to_tensor first for other ops")
-    values = allgather(s.values, name=None if name is None else f"{name}.values")
-    indices = allgather(s.indices, name=None if name is None else f"{name}.indices")
+    values = allgather(s.values, name=None if name is None else f"{name}.values", process_set=ps)
+    indices = allgather(s.indices, name=None if name is None else f"{name}.indices", process_set=ps)
     if op == Average:
-        values = values / tf.cast(C.size(), values.dtype)
+        values = values / tf.cast(_place(ps)[1], values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=s.dense_shape)
 
 
@@ -133,9 +149,11 @@ def _sparse_allreduce(s: Any, name: Optional[str], op: Any) -> Any:
 def allreduce(tensor: Any, average: Optional[bool] = None, device_dense: str = "",
               device_sparse: str = "", compression: type[Compressor] = Compression.none,
               op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-              name: Optional[str] = None) -> Any:
-    """Reduce ``tensor`` over all ranks (Average unless ``op`` says otherwise); differentiable.
-    A ``tf.IndexedSlices`` is allgathered (values and indices) instead.
+              name: Optional[str] = None, process_set: ProcessSet = global_process_set,
+              ignore_name_scope: bool = False) -> Any:
+    """Reduce ``tensor`` over all ranks, or those of ``process_set`` (Average unless ``op``
+    says otherwise); differentiable. A ``tf.IndexedSlices`` is allgathered (values and
+    indices) instead.
 
     Example, 2 ranks::
 
@@ -143,28 +161,36 @@ def allreduce(tensor: Any, average: Optional[bool] = None, device_dense: str = "
         rank 1: allreduce(tf.constant([3., 4.]))              -> [2., 3.]
         rank 0: allreduce(tf.constant([1., 2.]), op=hvd.Sum)  -> [4., 6.]
 
+    Example, 3 ranks, ``evens = hvd.add_process_set([0, 2])`` (only ranks 0 and 2 call it)::
+
+        rank 0: allreduce(tf.constant([1.]), op=hvd.Sum, process_set=evens)  -> [4.]
+        rank 2: allreduce(tf.constant([3.]), op=hvd.Sum, process_set=evens)  -> [4.]
+
     ``device_dense``/``device_sparse`` are accepted for Horovod compatibility (CPU only here).
     """
     op = _op(average, op, "allreduce")
     check_compression(compression)
     tensor = _tensor(tensor, "allreduce")
+    _place(process_set)
     if isinstance(tensor, tf.IndexedSlices):
-        return _sparse_allreduce(tensor, name, op)
+        return _sparse_allreduce(tensor, name, op, process_set)
     compressed, ctx = compression.compress(tensor)
-    out = _allreduce(compressed, name, op, float(prescale_factor), float(postscale_factor))
+    out = _allreduce(compressed, name, op, float(prescale_factor), float(postscale_factor),
+                     process_set)
     return compression.decompress(out, ctx)
 
 
-def _grouped(xs: list, name: Optional[str], op: Any, pre: float, post: float) -> list:
+def _grouped(xs: list, name: Optional[str], op: Any, pre: float, post: float,
+             ps: ProcessSet = global_process_set) -> list:
     @tf.custom_gradient
     def f(*ts: Any) -> Any:
-        outs = host_call(lambda *a: C.grouped_allreduce(list(a), name=name, op=op,
-                                                        prescale_factor=pre, postscale_factor=post),
+        outs = host_call(lambda *a: C.grouped_allreduce(list(a), name=name, op=op, prescale_factor=pre,
+                                                        postscale_factor=post, process_set=ps),
                          ts, [t.dtype for t in ts], [t.shape for t in ts], "grouped_allreduce")
 
         def grad(*dys: Any) -> Any:
             _check_grad_op(op, "grouped_allreduce")
-            return _grouped([tf.convert_to_tensor(d) for d in dys], None, op, pre, post)
+            return _grouped([tf.convert_to_tensor(d) for d in dys], None, op, pre, post, ps)
         return outs, grad
     return list(f(*xs))
 
@@ -174,7 +200,8 @@ def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None,
                       device_dense: str = "", device_sparse: str = "",
                       compression: type[Compressor] = Compression.none, op: Any = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                      name: Optional[str] = None) -> list:
+                      process_set: ProcessSet = global_process_set,
+                      ignore_name_scope: bool = False, name: Optional[str] = None) -> list:
     """:func:`allreduce` of every tensor of the list as one request per dtype (one flat
     buffer, one reduction); differentiable. Returns the list of results.
 
@@ -187,6 +214,7 @@ def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None,
         raise TypeError("grouped_allreduce takes a list of tensors")
     op = _op(average, op, "grouped_allreduce")
     check_compression(compression)
+    _place(process_set)
     if not tensors:
         return []
     ts = [_tensor(t, "grouped_allreduce") for t in tensors]
@@ -194,25 +222,33 @@ def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None,
         raise TypeError("grouped_allreduce takes dense tensors; allreduce tf.IndexedSlices one by "
                         "one, or densify them with tf.convert_to_tensor")
     pairs = [compression.compress(t) for t in ts]
-    outs = _grouped([p[0] for p in pairs], name, op, float(prescale_factor), float(postscale_factor))
+    outs = _grouped([p[0] for p in pairs], name, op, float(prescale_factor), float(postscale_factor),
+                    process_set)
     return [compression.decompress(o, p[1]) for o, p in zip(outs, pairs)]
 
 
 # ---------------------------------------------------------------- allgather, broadcast
 
-def _gather_host(a: np.ndarray, name: Optional[str]) -> list:
-    handle = C.allgather_async(a, name=name)
-    out = handle.wait()
-    rows = handle.extra
+def _gather_host(a: np.ndarray, name: Optional[str], ps: ProcessSet) -> list:
+    handle = C.allgather_async(a, name=name, process_set=ps)
+    out, rows = handle.wait(), handle.extra
     if rows is None:   # the backend did not report rows per rank: ask
-        rows = C.allgather_object(int(a.shape[0]) if a.ndim else 1)
+        rows = C.allgather_object(int(a.shape[0]) if a.ndim else 1, process_set=ps)
     return [out, np.asarray([int(r) for r in rows], dtype=np.int64)]
 
 
+def _own_rows(g: Any, rows: Any, r: int, scalar: bool) -> Any:
+    """This rank's rows (rank ``r`` of the set) of a gathered gradient ``g``."""
+    start = tf.reduce_sum(rows[:r])
+    mine = g[start:start + rows[r]]
+    return tf.reshape(mine, []) if scalar else mine
+
+
 @_plain
-def allgather(tensor: Any, name: Optional[str] = None) -> Any:
-    """Concatenate every rank's tensor along dimension 0 (sizes may differ by rank);
-    differentiable.
+def allgather(tensor: Any, name: Optional[str] = None, ignore_name_scope: bool = False,
+              process_set: ProcessSet = global_process_set) -> Any:
+    """Concatenate every rank's tensor (of ``process_set``, in set order) along dimension 0
+    (sizes may differ by rank); differentiable.
 
     Example, 2 ranks::
 
@@ -223,26 +259,26 @@ def allgather(tensor: Any, name: Optional[str] = None) -> Any:
     if isinstance(x, tf.IndexedSlices):
         raise TypeError("allgather takes a dense tensor; use allreduce for tf.IndexedSlices")
     scalar = x.shape.rank == 0
+    r, _ = _place(process_set)
 
     @tf.custom_gradient
     def f(t: Any) -> Any:
         shape = tf.TensorShape([None]).concatenate(t.shape[1:]) if t.shape.rank else tf.TensorShape([None])
-        y, rows = host_call(lambda a: _gather_host(a, name), [t], [t.dtype, tf.int64],
+        y, rows = host_call(lambda a: _gather_host(a, name, process_set), [t], [t.dtype, tf.int64],
                             [shape, tf.TensorShape([None])], "allgather")
 
         def grad(dy: Any) -> Any:
-            g = _allreduce(tf.convert_to_tensor(dy), None, Sum, 1.0, 1.0)
-            r = C.rank()
-            start = tf.reduce_sum(rows[:r])
-            mine = g[start:start + rows[r]]
-            return tf.reshape(mine, []) if scalar else mine
+            g = _allreduce(tf.convert_to_tensor(dy), None, Average, 1.0, 1.0, process_set)
+            return _own_rows(g, rows, r, scalar)
         return y, grad
     return f(x)
 
 
 @_plain
-def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None) -> Any:
-    """Every rank gets a copy of ``root_rank``'s tensor; differentiable.
+def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None,
+              ignore_name_scope: bool = False, process_set: ProcessSet = global_process_set) -> Any:
+    """Every rank (of ``process_set``) gets a copy of ``root_rank``'s tensor; differentiable.
+    ``root_rank`` is a global rank, one of the set's.
 
     Example, 2 ranks::
 
@@ -252,15 +288,15 @@ def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None) -> Any:
     x = _tensor(tensor, "broadcast")
     if isinstance(x, tf.IndexedSlices):
         x = tf.convert_to_tensor(x)
-    C.api.check_root(root_rank)
+    C.api.check_root(root_rank, engine_of(process_set))
 
     @tf.custom_gradient
     def f(t: Any) -> Any:
-        (y,) = host_call(lambda a: [C.broadcast(a, root_rank, name=name)], [t], [t.dtype],
-                         [t.shape], "broadcast")
+        (y,) = host_call(lambda a: [C.broadcast(a, root_rank, name=name, process_set=process_set)],
+                         [t], [t.dtype], [t.shape], "broadcast")
 
         def grad(dy: Any) -> Any:
-            g = _allreduce(tf.convert_to_tensor(dy), None, Sum, 1.0, 1.0)
+            g = _allreduce(tf.convert_to_tensor(dy), None, Average, 1.0, 1.0, process_set)
             return g if C.rank() == root_rank else tf.zeros_like(g)
         return y, grad
     return f(x)
@@ -268,53 +304,56 @@ def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None) -> Any:
 
 # ---------------------------------------------------------------- alltoall, reducescatter
 
-def _equal_splits(rows: Any, n: int) -> Any:
-    return tf.fill([n], tf.cast(rows // n, tf.int32))
-
-
 @_plain
-def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None) -> tuple:
-    """Send ``splits[j]`` rows of ``tensor`` to rank j (equal shares when None) and
-    concatenate what arrives. Returns ``(output, received_splits)`` as horovod.tensorflow
-    does; differentiable with respect to ``tensor``.
+def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None,
+             ignore_name_scope: bool = False, process_set: ProcessSet = global_process_set) -> Any:
+    """Send ``splits[j]`` rows of ``tensor`` to rank j of ``process_set`` (equal shares when
+    None) and concatenate what arrives. Returns the output, or ``(output, received_splits)``
+    when ``splits`` is given, as horovod.tensorflow does; differentiable with respect to
+    ``tensor``.
 
     Example, 2 ranks::
 
-        rank 0: alltoall(tf.constant([1, 2]))  -> ([1, 3], [1, 1])
-        rank 1: alltoall(tf.constant([3, 4]))  -> ([2, 4], [1, 1])
+        rank 0: alltoall(tf.constant([1, 2]))                       -> [1, 3]
+        rank 1: alltoall(tf.constant([3, 4]))                       -> [2, 4]
+        rank 0: alltoall(tf.constant([1, 2, 3]), splits=[1, 2])     -> ([1, 4], [1, 1])
+        rank 1: alltoall(tf.constant([4, 5, 6]), splits=[1, 2])     -> ([2, 3, 5, 6], [2, 2])
     """
     x = _tensor(tensor, "alltoall")
-    n = C.size()
+    _, n = _place(process_set)
     if x.shape.rank == 0:
         raise ValueError("alltoall needs a tensor with at least one dimension")
     if splits is None:
         if x.shape[0] is not None and x.shape[0] % n:
             raise ValueError(f"alltoall without splits needs the first dimension ({x.shape[0]}) to "
                              f"be divisible by the number of ranks ({n}); pass splits=[rows per rank]")
-        sp = _equal_splits(tf.shape(x)[0], n)
+        sp = tf.fill([n], tf.cast(tf.shape(x)[0] // n, tf.int32))
     else:
         sp = tf.cast(tf.convert_to_tensor(splits), tf.int32)
-    return _alltoall(x, sp, name)
+    out, received = _alltoall(x, sp, name, process_set)
+    return out if splits is None else (out, received)
 
 
-def _alltoall(x: Any, sp: Any, name: Optional[str]) -> tuple:
+def _alltoall(x: Any, sp: Any, name: Optional[str], ps: ProcessSet) -> tuple:
     received: list = []
+    n = _place(ps)[1]
 
     @tf.custom_gradient
     def f(t: Any) -> Any:
         shape = tf.TensorShape([None]).concatenate(t.shape[1:])
-        y, rs = host_call(lambda a, s: list(C.alltoall(a, splits=s, name=name)), [t, sp],
-                          [t.dtype, tf.int32], [shape, tf.TensorShape([C.size()])], "alltoall")
+        y, rs = host_call(lambda a, s: list(C.alltoall(a, splits=s, name=name, process_set=ps)),
+                          [t, sp], [t.dtype, tf.int32], [shape, tf.TensorShape([n])], "alltoall")
         received.append(rs)
 
         def grad(dy: Any) -> Any:
-            return _alltoall(tf.convert_to_tensor(dy), rs, None)[0]
+            return _alltoall(tf.convert_to_tensor(dy), rs, None, ps)[0]
         return y, grad
     out = f(x)
     return out, tf.stop_gradient(received[0])
 
 
 def _my_rows(rows: Optional[int], n: int, r: int) -> Optional[int]:
+    """Rows of ``rows`` that rank ``r`` of ``n`` gets from a reducescatter (None: unknown)."""
     if rows is None:
         return None
     return rows // n + (1 if r < rows % n else 0)
@@ -322,10 +361,12 @@ def _my_rows(rows: Optional[int], n: int, r: int) -> Optional[int]:
 
 @_plain
 def reducescatter(tensor: Any, device_dense: str = "", compression: type[Compressor] = Compression.none,
-                  op: Any = Average, name: Optional[str] = None, prescale_factor: float = 1.0,
-                  postscale_factor: float = 1.0) -> Any:
-    """Reduce over all ranks, then give each rank its share of dimension 0 (the first ranks get
-    one more row when it does not divide); differentiable for Average and Sum.
+                  op: Any = Average, name: Optional[str] = None,
+                  process_set: ProcessSet = global_process_set, ignore_name_scope: bool = False,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
+    """Reduce over all ranks (of ``process_set``), then give each its share of dimension 0 (the
+    first ranks of the set get one more row when it does not divide); differentiable for
+    Average and Sum.
 
     Example, 2 ranks, op=Sum::
 
@@ -337,33 +378,38 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: type[Compres
     x = _tensor(tensor, "reducescatter")
     if x.shape.rank == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension")
+    _place(process_set)
     compressed, ctx = compression.compress(x)
-    out = _reducescatter(compressed, name, op, float(prescale_factor), float(postscale_factor))
+    out = _reducescatter(compressed, name, op, float(prescale_factor), float(postscale_factor),
+                         process_set)
     return compression.decompress(out, ctx)
 
 
-def _reducescatter(x: Any, name: Optional[str], op: Any, pre: float, post: float) -> Any:
+def _reducescatter(x: Any, name: Optional[str], op: Any, pre: float, post: float,
+                   ps: ProcessSet) -> Any:
+    r, n = _place(ps)
+
     @tf.custom_gradient
     def f(t: Any) -> Any:
-        shape = tf.TensorShape([_my_rows(t.shape[0], C.size(), C.rank())]).concatenate(t.shape[1:])
+        shape = tf.TensorShape([_my_rows(t.shape[0], n, r)]).concatenate(t.shape[1:])
         (y,) = host_call(lambda a: [C.reducescatter(a, name=name, op=op, prescale_factor=pre,
-                                                    postscale_factor=post)],
+                                                    postscale_factor=post, process_set=ps)],
                          [t], [t.dtype], [shape], "reducescatter")
 
         def grad(dy: Any) -> Any:
             _check_grad_op(op, "reducescatter")
-            g = allgather(tf.convert_to_tensor(dy))
-            scale = pre * post / (C.size() if op == Average else 1)
+            g = allgather(tf.convert_to_tensor(dy), process_set=ps)
+            scale = pre * post / (n if op == Average else 1)
             return g * tf.cast(scale, g.dtype) if scale != 1.0 else g
         return y, grad
     return f(x)
 
 
-# ---------------------------------------------------------------- barrier, join, handles
+# ---------------------------------------------------------------- barrier, join
 
-def barrier(name: Optional[str] = None) -> None:
-    """Return once every rank has called barrier."""
-    C.barrier(name=name)
+def barrier(name: Optional[str] = None, process_set: ProcessSet = global_process_set) -> None:
+    """Return once every rank (of ``process_set``) has called barrier."""
+    C.barrier(name=name, process_set=process_set)
 
 
 def join() -> int:

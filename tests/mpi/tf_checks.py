@@ -2,7 +2,8 @@
 launch because importing TensorFlow costs seconds: collectives eager and in tf.function,
 their gradients, DistributedGradientTape against single-process gradients of the whole
 batch, model.fit with DistributedOptimizer against single-process training, callbacks,
-mismatch errors, checkpoint + load_model.
+mismatch errors, checkpoint + load_model, and process sets (even and odd ranks running every
+collective and its gradient at once, the set ops, a rank off a set refused).
 
 Usage: mpiexec -n N python tf_checks.py WORKDIR
 Exits nonzero with one line per failed check, prefixed by the rank."""
@@ -25,7 +26,7 @@ import keras  # noqa: E402
 import hvd_magic.keras as hk  # noqa: E402
 import hvd_magic.tensorflow as hvd  # noqa: E402
 
-hvd.init()
+hvd.init(process_sets="dynamic")     # the process-set checks add and remove sets
 R, N = hvd.rank(), hvd.size()
 WORK = sys.argv[1]
 FAILS = []
@@ -85,9 +86,11 @@ def collectives(run):
     close("allgather uneven", ag, np.concatenate([np.full((r + 1, 2), r) for r in range(N)]))
     close("allgather scalar", run(lambda: hvd.allgather(tf.constant(float(R)))), np.arange(N))
     close("broadcast", run(lambda: hvd.broadcast(x, N - 1)), [float(N), 2.0])
-    out, rs = run(lambda: hvd.alltoall(tf.constant([10 * R + j for j in range(N)])))
-    close("alltoall", out, [10 * j + R for j in range(N)])
-    close("alltoall splits", rs, [1] * N)
+    out = run(lambda: hvd.alltoall(tf.constant([10 * R + j for j in range(N)])))
+    close("alltoall", out, [10 * j + R for j in range(N)])     # no splits given: output alone
+    out, rs = run(lambda: hvd.alltoall(tf.constant([10 * R + j for j in range(N)]), splits=[1] * N))
+    close("alltoall with splits", out, [10 * j + R for j in range(N)])
+    close("alltoall received splits", rs, [1] * N)
     splits = [1 if j == 0 else 0 for j in range(N)]   # everybody sends its one row to rank 0
     out, rs = run(lambda: hvd.alltoall(tf.constant([[float(R)]]), splits=splits))
     close("alltoall uneven", out, [[float(j)] for j in range(N)] if R == 0 else np.zeros((0, 1)))
@@ -145,14 +148,14 @@ def _():
             b = tf.reduce_sum(hvd.allgather(w * (R + 1.0)))
             c = tf.reduce_sum(hvd.broadcast(w * (R + 1.0), 0))
             d = tf.reduce_sum(hvd.reducescatter(tf.stack([w] * N), op=hvd.Sum))
-            e = tf.reduce_sum(hvd.alltoall(tf.stack([w] * N))[0] * (R + 1.0))
+            e = tf.reduce_sum(hvd.alltoall(tf.stack([w] * N)) * (R + 1.0))
         return [tape.gradient(t, w) for t in (a, b, c, d, e)]
     tri = N * (N + 1) / 2
     for run in (grads, tf.function(grads)):
         a, b, c, d, e = run()
         close("grad allreduce", a, [N * (R + 1.0)] * 2)   # dy summed over ranks, times own factor
-        close("grad allgather", b, [N * (R + 1.0)] * 2)
-        close("grad broadcast", c, [float(N) if R == 0 else 0.0] * 2)
+        close("grad allgather", b, [R + 1.0] * 2)         # dy averaged over ranks, as Horovod
+        close("grad broadcast", c, [1.0 if R == 0 else 0.0] * 2)
         close("grad reducescatter", d, [N] * 2)
         close("grad alltoall", e, [tri] * 2)
 
@@ -171,7 +174,7 @@ def _():
         return [tape.gradient(t, w) for t in (a, b, c)]
     for run in (grads, tf.function(grads)):
         a, b, c = run()
-        close("grad grouped_allgather", a, [N * (2.0 * R + 1.0)] * 2)   # summed over ranks
+        close("grad grouped_allgather", a, [2.0 * R + 1.0] * 2)   # averaged over ranks
         close("grad grouped_reducescatter sum", b, [N] * 2)
         close("grad grouped_reducescatter average", c, [2.0 * (N + 1) / N] * 2)
 
@@ -390,12 +393,154 @@ def _():
 
 @check("rank and size ops")
 def _():
-    want = [N, hvd.local_size(), hvd.cross_size(), R, hvd.local_rank(), hvd.cross_rank()]
-    names = ["size_op", "local_size_op", "cross_size_op", "rank_op", "local_rank_op", "cross_rank_op"]
+    want = [N, hvd.local_size(), R, hvd.local_rank(), 1]
+    names = ["size_op", "local_size_op", "rank_op", "local_rank_op", "process_set_included_op"]
     for label, run in (("eager", lambda f: f()), ("tf.function", lambda f: tf.function(f)())):
         got = [run(getattr(hvd, n)) for n in names]
         if [int(g) for g in got] != want or any(g.dtype != tf.int32 for g in got):
             FAILS.append(f"rank/size ops {label}: {got} != {want}")
+
+
+# ---------------------------------------------------------------- process sets
+EVENS, ODDS = [k for k in range(N) if k % 2 == 0], [k for k in range(N) if k % 2 == 1]
+
+
+def raises(label, fn, kind, *fragments):
+    try:
+        fn()
+    except kind as exc:
+        for f in fragments:
+            if f not in str(exc):
+                FAILS.append(f"{label}: message lacks {f!r}: {exc}")
+        return
+    except Exception as exc:  # noqa: BLE001
+        FAILS.append(f"{label}: expected {kind.__name__}, got {type(exc).__name__}: {exc}")
+        return
+    FAILS.append(f"{label}: no {kind.__name__}")
+
+
+def set_collectives(label, run, ps, mates):
+    """Values of every collective in ``ps`` (ranks ``mates``), against references."""
+    m, i = len(mates), mates.index(R)
+    x = tf.constant([1.0 + R, 2.0])
+    close(f"{label} allreduce sum", run(lambda: hvd.allreduce(x, op=hvd.Sum, process_set=ps)),
+          [sum(1.0 + k for k in mates), 2.0 * m])
+    close(f"{label} allreduce avg", run(lambda: hvd.allreduce(x, process_set=ps)),
+          [np.mean([1.0 + k for k in mates]), 2.0])
+    g = run(lambda: hvd.grouped_allreduce([x, tf.constant([R], tf.int32)], op=hvd.Sum, process_set=ps))
+    close(f"{label} grouped_allreduce 0", g[0], [sum(1.0 + k for k in mates), 2.0 * m])
+    close(f"{label} grouped_allreduce 1", g[1], [sum(mates)])
+    close(f"{label} allgather", run(lambda: hvd.allgather(tf.fill([R + 1, 2], R), process_set=ps)),
+          np.concatenate([np.full((k + 1, 2), k) for k in mates]))
+    ga = run(lambda: hvd.grouped_allgather([tf.constant([R]), tf.constant(float(R))], process_set=ps))
+    close(f"{label} grouped_allgather", np.concatenate([ga[0], ga[1]]), mates + mates)
+    root = mates[-1]            # a global rank, the set's last
+    close(f"{label} broadcast", run(lambda: hvd.broadcast(x, root, process_set=ps)), [1.0 + root, 2.0])
+    rows = 2 * m + 1
+    base = tf.reshape(tf.range(rows * 2, dtype=tf.float32), [rows, 2])
+    share = [rows // m + (1 if j < rows % m else 0) for j in range(m)]
+    start = sum(share[:i])
+    want = m * base.numpy()[start:start + share[i]]
+    close(f"{label} reducescatter", run(lambda: hvd.reducescatter(base, op=hvd.Sum, process_set=ps)), want)
+    grs = run(lambda: hvd.grouped_reducescatter([base], op=hvd.Sum, process_set=ps))
+    close(f"{label} grouped_reducescatter", grs[0], want)
+    close(f"{label} alltoall", run(lambda: hvd.alltoall(tf.constant([10 * R + j for j in range(m)]),
+                                                       process_set=ps)), [10 * k + i for k in mates])
+    out, rs = run(lambda: hvd.alltoall(tf.fill([m, 1], R), splits=[1] * m, process_set=ps))
+    close(f"{label} alltoall splits", np.concatenate([np.ravel(out), rs]), mates + [1] * m)
+
+
+def set_gradients(label, run, ps, mates):
+    """Gradients of the collectives in ``ps``: each backward pass runs in the set."""
+    m, i = len(mates), mates.index(R)
+    w = tf.Variable([1.0, 2.0])
+    sq = np.mean([(k + 1.0) ** 2 for k in mates])      # differs from the global mean
+    total = sum(k + 1 for k in mates)
+    c = np.arange(1.0, total + 1.0, dtype=np.float32).reshape(-1, 1)
+    start = sum(k + 1 for k in mates[:i])
+    f = float(R + 1)
+
+    def grads():
+        with tf.GradientTape(persistent=True) as tape:
+            y = [tf.reduce_sum(hvd.allreduce(w * f, op=hvd.Sum, process_set=ps)),
+                 tf.reduce_sum(hvd.allgather(tf.stack([w] * (R + 1)) * f, process_set=ps) * c) * f * f,
+                 tf.reduce_sum(hvd.broadcast(w * f, mates[-1], process_set=ps)) * f * f,
+                 tf.reduce_sum(hvd.reducescatter(tf.stack([w] * m), op=hvd.Sum, process_set=ps)),
+                 tf.reduce_sum(hvd.alltoall(tf.stack([w] * m), process_set=ps) * f),
+                 tf.reduce_sum(hvd.grouped_allreduce([w * f], op=hvd.Sum, process_set=ps)[0]),
+                 tf.reduce_sum(hvd.grouped_allgather([w * f], process_set=ps)[0]) * f * f]
+        return [tape.gradient(t, w) for t in y]
+    got = run(grads)
+    want = [m * f, f * float(c[start:start + R + 1].sum()) * sq, f * sq if R == mates[-1] else 0.0,
+            m, total, m * f, f * sq]
+    names = ["allreduce", "allgather", "broadcast", "reducescatter", "alltoall", "grouped_allreduce",
+             "grouped_allgather"]
+    for what, g, v in zip(names, got, want):
+        close(f"{label} grad {what}", g, [v] * 2)
+
+
+@check("process sets: even and odd ranks at once, eager and tf.function")
+def _():
+    ev, od = hvd.add_process_set(EVENS), hk.add_process_set(hk.ProcessSet(ODDS))   # keras exports too
+    try:
+        mine, other = (ev, od) if R % 2 == 0 else (od, ev)
+        mates = EVENS if R % 2 == 0 else ODDS
+        m, i = len(mates), mates.index(R)
+        for label, run in (("eager", lambda fn: fn()), ("tf.function", lambda fn: tf.function(fn)())):
+            set_collectives(f"set {label}", run, mine, mates)
+            set_gradients(f"set {label}", run, mine, mates)
+            got = [int(run(lambda: hvd.size_op(ps.process_set_id))) for ps in (mine, other)]
+            got += [int(run(lambda: hvd.process_set_included_op(ps.process_set_id))) for ps in (mine, other)]
+            if got != [m, N - m, 1, 0]:
+                FAILS.append(f"size_op/process_set_included_op {label}: {got} != {[m, N - m, 1, 0]}")
+        traced = []
+
+        @tf.function
+        def shapes(x):
+            outs = [hvd.reducescatter(x, process_set=mine),
+                    hvd.alltoall(x, splits=[2 * m + 1 if j == 0 else 0 for j in range(m)],
+                                 process_set=mine)[1]]
+            traced.extend(tuple(t.shape.as_list()) for t in outs)
+            return outs
+        shapes(tf.zeros([2 * m + 1, 4]))
+        rows = (2 * m + 1) // m + (1 if i < (2 * m + 1) % m else 0)
+        if traced != [(rows, 4), (m,)]:
+            FAILS.append(f"static shapes in a set: {traced}")
+        v = tf.Variable(tf.fill([3], float(R)))
+        hvd.broadcast_variables([v], root_rank=mates[0], process_set=mine)
+        out = hvd.broadcast_([tf.Variable([R, R], dtype=tf.int64)], mates[-1], process_set=mine)
+        close("set broadcast_variables, broadcast_", np.concatenate([v.numpy(), out[0].numpy()]),
+              [mates[0]] * 3 + [mates[-1]] * 2)
+        if (hvd.broadcast_object({"r": R}, mates[-1], process_set=mine) != {"r": mates[-1]}
+                or hvd.allgather_object(R, process_set=mine) != mates):
+            FAILS.append("broadcast_object / allgather_object in a set")
+        hvd.barrier(process_set=mine)
+        # a set this rank is not in: ValueError here, naming the set, eagerly and when traced
+        want = f"not in process set {other.process_set_id}"
+        x = tf.ones([2])
+        raises("allreduce off the set", lambda: hvd.allreduce(x, process_set=other), ValueError, want)
+        def gather_off():
+            return hvd.allgather(x, process_set=other)
+        raises("traced allgather off the set", lambda: tf.function(gather_off)(), ValueError, want)
+        for fn in (lambda: hvd.broadcast(x, R, process_set=other),
+                   lambda: hvd.grouped_allreduce([x], process_set=other),
+                   lambda: hvd.alltoall(x, process_set=other),
+                   lambda: hvd.reducescatter(x, process_set=other),
+                   lambda: hvd.broadcast_variables([tf.Variable(x)], R, process_set=other)):
+            raises("collective off the set", fn, ValueError, want)
+        if N > m:
+            outsider = [k for k in range(N) if k not in mates][0]
+            raises("root off the set", lambda: hvd.broadcast(x, outsider, process_set=mine), ValueError,
+                   f"root_rank={outsider} is not in process set {mine.process_set_id}")
+        raises("size_op of no set", lambda: hvd.size_op(99), ValueError, "process_set_id=99")
+        raises("process_set_included_op of no set", lambda: hvd.process_set_included_op(99), ValueError,
+               "process_set_id=99")
+    finally:
+        hvd.remove_process_set(od)
+        hvd.remove_process_set(ev)
+    raises("size_op of a removed set", lambda: hvd.size_op(ev.process_set_id or 1), ValueError,
+           "no process set with that id")
+    close("global set after the sets", hvd.allreduce(tf.ones([2]), op=hvd.Sum), [N, N])
 
 
 # ---------------------------------------------------------------- broadcast_variables, checkpoints
