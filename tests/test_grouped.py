@@ -92,20 +92,24 @@ def test_tensorflow_names_and_signatures(one_rank):
     tf = pytest.importorskip("tensorflow")
     import hvd_magic.tensorflow as htf
     from hvd_magic.tensorflow.compression import Compression
-    assert params(htf.grouped_allgather) == [("tensors", E), ("name", None)]
+    ps = htf.global_process_set
+    assert params(htf.grouped_allgather) == [("tensors", E), ("name", None), ("ignore_name_scope", False),
+                                             ("process_set", ps)]
     assert params(htf.grouped_reducescatter) == [
         ("tensors", E), ("device_dense", ""), ("compression", Compression.none), ("op", htf.Average),
-        ("prescale_factor", 1.0), ("postscale_factor", 1.0), ("name", None)]
-    assert params(htf.broadcast_) == [("variables", E), ("root_rank", E), ("name", None)]
-    assert params(htf.broadcast_object_fn) == [("root_rank", 0), ("session", None), ("name", None)]
+        ("process_set", ps), ("prescale_factor", 1.0), ("postscale_factor", 1.0), ("name", None)]
+    assert params(htf.broadcast_) == [("variables", E), ("root_rank", E), ("name", None), ("process_set", ps)]
+    assert params(htf.broadcast_object_fn) == [("root_rank", 0), ("session", None), ("name", None),
+                                               ("process_set", ps)]
     assert params(htf.size_op) == [("process_set_id", 0), ("name", None)]
-    ops = ["size_op", "local_size_op", "cross_size_op", "rank_op", "local_rank_op", "cross_rank_op"]
-    for n in ops[1:]:
+    assert params(htf.process_set_included_op) == [("process_set_id", 0), ("name", None)]
+    ops = ["size_op", "local_size_op", "rank_op", "local_rank_op", "process_set_included_op"]
+    for n in ops[1:4]:
         assert params(getattr(htf, n)) == [("name", None)]
-    assert [int(getattr(htf, n)()) for n in ops] == [1, 1, 1, 0, 0, 0]
+    assert [int(getattr(htf, n)()) for n in ops] == [1, 1, 0, 0, 1]
     assert htf.size_op().dtype == tf.int32 and htf.rank_op().shape == ()
     with pytest.raises(ValueError, match="process_set_id"):
-        htf.size_op(process_set_id=1)
+        htf.size_op(process_set_id=1)      # no such set registered
     v = tf.Variable([1.0, 2.0])
     assert [t.numpy().tolist() for t in htf.broadcast_([v], root_rank=0)] == [[1.0, 2.0]]
     assert htf.broadcast_object_fn()({"a": 1}) == {"a": 1}
