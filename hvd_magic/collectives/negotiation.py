@@ -285,11 +285,11 @@ class Negotiator:
         if err:
             return Response(p.name, first.kind, p.anns, joined=joined, error=err, error_kind="mismatch")
         part_joined = frozenset(r for r in joined if r not in p.anns)
-        if part_joined and first.kind not in ("allreduce", "allgather", "barrier"):
+        if part_joined and first.kind not in ("allreduce", "barrier"):
             return Response(p.name, first.kind, p.anns, joined=part_joined, error=(
                 f"{first.kind} of tensor '{p.name}' cannot run while rank(s) "
-                f"{_ranks(map(self._name, sorted(part_joined)))} have joined; only allreduce, allgather and "
-                "barrier continue after hvd.join()"), error_kind="joined")
+                f"{_ranks(map(self._name, sorted(part_joined)))} have joined; only allreduce and "
+                "barrier continue after hvd.join() (as in Horovod)"), error_kind="joined")
         if first.kind == "alltoall":
             bad = {r: a.splits for r, a in p.anns.items() if a.splits is not None and len(a.splits) != self.size}
             if bad:
