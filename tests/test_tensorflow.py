@@ -66,12 +66,13 @@ def test_public_names():
 def test_signatures_match_horovod():
     params = inspect.signature(hvd.DistributedGradientTape).parameters
     assert list(params) == ["gradtape", "device_dense", "device_sparse", "compression",
-                            "sparse_as_dense", "op", "gradient_predivide_factor", "num_groups", "groups"]
+                            "sparse_as_dense", "op", "gradient_predivide_factor", "num_groups", "groups",
+                            "process_set", "scale_local_gradients"]
     params = inspect.signature(hk.DistributedOptimizer).parameters
     assert list(params) == ["optimizer", "name", "device_dense", "device_sparse", "compression",
                             "sparse_as_dense", "gradient_predivide_factor", "op",
                             "backward_passes_per_step", "average_aggregated_gradients",
-                            "num_groups", "groups"]
+                            "num_groups", "groups", "process_set", "scale_local_gradients"]
     assert list(inspect.signature(hk.load_model).parameters) == ["filepath", "custom_optimizers",
                                                                  "custom_objects", "compression"]
     for name, want in HOROVOD_TF_SIGNATURES.items():

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from hvd_magic.collectives import Adasum, Average
+from hvd_magic.collectives import Adasum, Average, ProcessSet, global_process_set
 from hvd_magic.collectives.ops import to_op
 from hvd_magic.tensorflow._compat import import_keras, import_tf
 from hvd_magic.tensorflow.compression import Compression, Compressor
@@ -117,14 +117,17 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dens
                          sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
                          op: Any = Average, backward_passes_per_step: int = 1,
                          average_aggregated_gradients: bool = False, num_groups: int = 0,
-                         groups: Any = None) -> Any:
+                         groups: Any = None, process_set: ProcessSet = global_process_set,
+                         scale_local_gradients: bool = True) -> Any:
     """Wrap a Keras 3 ``optimizer`` so that its updates use gradients averaged over all ranks.
 
     The result is an instance of a subclass of the optimizer's class sharing its state
     (variables, learning rate, config), so ``isinstance``, ``get_config``, saving and the
     learning-rate callbacks work. ``name`` names the allreduces (default: the optimizer's
     name); ``compression``, ``sparse_as_dense``, ``op``, ``gradient_predivide_factor``,
-    ``num_groups`` and ``groups`` are as in :func:`hvd_magic.tensorflow.DistributedGradientTape`;
+    ``num_groups``, ``groups`` and ``process_set`` are as in
+    :func:`hvd_magic.tensorflow.DistributedGradientTape` (``scale_local_gradients`` is accepted:
+    this optimizer has no local variables to scale);
     ``backward_passes_per_step=k`` accumulates k steps locally before each reduction and
     update (summed, or averaged with ``average_aggregated_gradients=True``).
     ``device_dense``/``device_sparse`` are accepted for Horovod compatibility (CPU only here).
@@ -150,7 +153,7 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dens
                          "yet (wrap it before model.compile / the first apply)")
     reducer = GradientReducer(compression, op, gradient_predivide_factor, sparse_as_dense,
                               num_groups, groups, f"DistributedOptimizer.{name or optimizer.name}",
-                              "DistributedOptimizer")
+                              "DistributedOptimizer", process_set)
     base = type(optimizer)
     cls = type(base.__name__, (_DistributedOptimizer, base), {"__module__": base.__module__})
     opt = cls.__new__(cls)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 import hvd_magic.collectives as C
-from hvd_magic.collectives import Adasum, Average, Sum
+from hvd_magic.collectives import Adasum, Average, ProcessSet, Sum, global_process_set
 from hvd_magic.collectives.ops import to_op
 
 from ._compat import import_tf
@@ -28,7 +28,8 @@ class GradientReducer:
     """Checked settings of a gradient reduction, and the reduction itself."""
 
     def __init__(self, compression: Any, op: Any, gradient_predivide_factor: float,
-                 sparse_as_dense: bool, num_groups: int, groups: Any, name: str, who: str):
+                 sparse_as_dense: bool, num_groups: int, groups: Any, name: str, who: str,
+                 process_set: ProcessSet = global_process_set):
         op = to_op(op)
         if op not in (Average, Sum, Adasum):
             raise ValueError(f"{who} reduces gradients with op=hvd.Average, hvd.Sum or hvd.Adasum, "
@@ -64,6 +65,16 @@ class GradientReducer:
         self.num_groups = num_groups
         self.groups = groups
         self.name = name
+        if not isinstance(process_set, ProcessSet):
+            raise TypeError(f"process_set must be a ProcessSet, not {type(process_set).__name__}")
+        if process_set.process_set_id != 0 and not process_set.included():
+            raise ValueError(f"{who}(process_set={process_set}): rank {C.rank()} is not in that "
+                             "set; only its ranks reduce their gradients with it")
+        self.ps = process_set
+
+    def size(self) -> int:
+        """Number of ranks the gradients are reduced over."""
+        return C.size() if self.ps.process_set_id == 0 else self.ps.size()
 
     def _buckets(self, n: int, variables: Optional[Sequence[Any]]) -> list:
         """Lists of indices (into the dense gradients) reduced together."""
@@ -91,7 +102,7 @@ class GradientReducer:
     def reduce(self, grads: Sequence[Any], variables: Optional[Sequence[Any]] = None) -> list:
         """Averaged (or summed, or Adasum-combined) gradients, in the order given; None stays
         None."""
-        if C.size() == 1 and self.prescale * self.postscale == 1.0:
+        if self.size() == 1 and self.prescale * self.postscale == 1.0:
             return [tf.convert_to_tensor(g) if self.sparse_as_dense and isinstance(g, tf.IndexedSlices)
                     else g for g in grads]
         out: list = list(grads)
@@ -104,7 +115,7 @@ class GradientReducer:
                     raise ValueError("op=hvd.Adasum does not take sparse gradients (tf.IndexedSlices), "
                                      "as in Horovod; pass sparse_as_dense=True")
                 if not self.sparse_as_dense:
-                    out[i] = _sparse_allreduce(g, f"{self.name}.sparse.{i}", self.op)
+                    out[i] = _sparse_allreduce(g, f"{self.name}.sparse.{i}", self.op, self.ps)
                     continue
                 g = tf.convert_to_tensor(g)
             out[i] = g
@@ -112,7 +123,7 @@ class GradientReducer:
             dense_vars.append(variables[i] if variables is not None else None)
         if self.op == Adasum:     # Adasum is per tensor: one request per gradient
             pairs = [self.compression.compress(out[p]) for p in dense_pos]
-            reduced = _adasum([c for c, _ in pairs], f"{self.name}.adasum")
+            reduced = _adasum([c for c, _ in pairs], f"{self.name}.adasum", self.ps)
             for p, r, (_, ctx) in zip(dense_pos, reduced, pairs):
                 out[p] = self.compression.decompress(r, ctx)
             return out
@@ -121,19 +132,20 @@ class GradientReducer:
             pos = [dense_pos[j] for j in bucket]
             pairs = [self.compression.compress(out[p]) for p in pos]
             reduced = _grouped([c for c, _ in pairs], f"{self.name}.{b}", self.op, self.prescale,
-                               self.postscale)
+                               self.postscale, self.ps)
             for p, r, (_, ctx) in zip(pos, reduced, pairs):
                 out[p] = self.compression.decompress(r, ctx)
         return out
 
 
-def _adasum(xs: list, name: str) -> list:
-    """Adasum of each tensor over all ranks, in one host call (one request per tensor)."""
+def _adasum(xs: list, name: str, ps: ProcessSet) -> list:
+    """Adasum of each tensor over the set's ranks, in one host call (one request per tensor)."""
     if not xs:
         return []
 
     def run(*arrays: Any) -> list:
-        handles = [C.allreduce_async(a, name=f"{name}.{i}", op=Adasum) for i, a in enumerate(arrays)]
+        handles = [C.allreduce_async(a, name=f"{name}.{i}", op=Adasum, process_set=ps)
+                   for i, a in enumerate(arrays)]
         return [h.wait() for h in handles]
     return host_call(run, xs, [x.dtype for x in xs], [x.shape for x in xs], "adasum")
 
@@ -149,12 +161,15 @@ class _DistributedGradientTape:
 
     _hvd_reducer: GradientReducer
     _hvd_local: set
+    _hvd_scale_local: bool
 
     @tf.autograph.experimental.do_not_convert
     def gradient(self, target: Any, sources: Any, output_gradients: Any = None,
                  unconnected_gradients: Any = None) -> Any:
         """The wrapped tape's gradients, averaged (or summed) over all ranks; same structure
-        as ``sources``. Sources registered with ``register_local_source`` are not reduced."""
+        as ``sources``. Sources registered with ``register_local_source`` are not reduced (with
+        ``scale_local_gradients``, the default, they are divided by the number of ranks, as
+        Horovod does)."""
         kw = {} if unconnected_gradients is None else {"unconnected_gradients": unconnected_gradients}
         grads = super().gradient(target, sources, output_gradients=output_gradients, **kw)  # type: ignore[misc]
         flat_src = tf.nest.flatten(sources)
@@ -163,6 +178,13 @@ class _DistributedGradientTape:
         reduced = self._hvd_reducer.reduce([flat[i] for i in shared], [flat_src[i] for i in shared])
         for i, r in zip(shared, reduced):
             flat[i] = r
+        n = self._hvd_reducer.size()
+        if self._hvd_scale_local and n > 1 and len(shared) < len(flat):
+            for i, s in enumerate(flat_src):
+                g = flat[i]
+                if id(_ref(s)) in self._hvd_local and g is not None:
+                    flat[i] = (tf.IndexedSlices(g.values / n, g.indices, g.dense_shape)
+                               if isinstance(g, tf.IndexedSlices) else g / n)
         return tf.nest.pack_sequence_as(sources, flat)
 
     def register_local_source(self, source: Any) -> None:
@@ -174,7 +196,8 @@ def DistributedGradientTape(gradtape: Any, device_dense: str = "", device_sparse
                             compression: type[Compressor] = Compression.none,
                             sparse_as_dense: bool = False, op: Any = Average,
                             gradient_predivide_factor: float = 1.0, num_groups: int = 0,
-                            groups: Any = None) -> Any:
+                            groups: Any = None, process_set: ProcessSet = global_process_set,
+                            scale_local_gradients: bool = True) -> Any:
     """Wrap ``gradtape`` so that ``gradient()`` returns gradients averaged over all ranks.
 
     Works on a tape that recorded already or one not yet entered
@@ -184,8 +207,10 @@ def DistributedGradientTape(gradtape: Any, device_dense: str = "", device_sparse
     ``gradient_predivide_factor=f`` divides by f before the sum and by size/f after;
     ``sparse_as_dense`` densifies tf.IndexedSlices (else their values and indices are
     allgathered); ``num_groups`` / ``groups`` (list of lists of variables) split the single
-    grouped allreduce into several. ``device_dense``/``device_sparse`` are accepted for
-    Horovod compatibility (CPU only here).
+    grouped allreduce into several; ``process_set`` reduces over its ranks only;
+    ``scale_local_gradients`` divides the gradients of ``register_local_source`` sources by
+    the number of ranks. ``device_dense``/``device_sparse`` are accepted for Horovod
+    compatibility (CPU only here).
 
     Example, 2 ranks, loss = w * x with x = 1 on rank 0 and x = 3 on rank 1::
 
@@ -197,11 +222,12 @@ def DistributedGradientTape(gradtape: Any, device_dense: str = "", device_sparse
         raise ValueError("this tape is already a DistributedGradientTape; wrap the plain tape once")
     reducer = GradientReducer(compression, op, gradient_predivide_factor, sparse_as_dense,
                               num_groups, groups, "DistributedGradientTape.grads",
-                              "DistributedGradientTape")
+                              "DistributedGradientTape", process_set)
     base = type(gradtape)
     cls = type(base.__name__, (_DistributedGradientTape, base), {"__module__": base.__module__})
     tape = cls.__new__(cls)
     tape.__dict__.update(gradtape.__dict__)
     tape._hvd_reducer = reducer
     tape._hvd_local = set()
+    tape._hvd_scale_local = bool(scale_local_gradients)
     return tape

@@ -515,6 +515,21 @@ def _():
                 or hvd.allgather_object(R, process_set=mine) != mates):
             FAILS.append("broadcast_object / allgather_object in a set")
         hvd.barrier(process_set=mine)
+        # DistributedGradientTape / keras DistributedOptimizer over the set: its ranks' mean
+        w = tf.Variable([1.0, 1.0])
+        loc = tf.Variable([1.0])
+        with hvd.DistributedGradientTape(tf.GradientTape(), process_set=mine) as tape:
+            loss = tf.reduce_sum(w * float(R)) + tf.reduce_sum(loc * float(R))
+        tape.register_local_source(loc)
+        gw, gl = tape.gradient(loss, [w, loc])
+        close("set tape", gw, [float(np.mean(mates))] * 2)
+        close("set tape, local source scaled by the set's size", gl, [R / m])
+        opt = hk.DistributedOptimizer(keras.optimizers.SGD(1.0), process_set=mine)
+        kv = keras.Variable([0.0])
+        opt.apply_gradients([(tf.constant([float(R)]), kv)])
+        close("set keras optimizer", kv.numpy(), [-float(np.mean(mates))])
+        raises("tape off the set", lambda: hvd.DistributedGradientTape(tf.GradientTape(), process_set=other),
+               ValueError, "is not in that set")
         # a set this rank is not in: ValueError here, naming the set, eagerly and when traced
         want = f"not in process set {other.process_set_id}"
         x = tf.ones([2])
