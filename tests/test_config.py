@@ -54,3 +54,12 @@ def test_the_code_reads_declared_variables_only_through_config():
     readers = [p.relative_to(ROOT).as_posix() for p in (ROOT / "hvd_magic").rglob("*.py")
                if direct.search(p.read_text()) and p != ROOT / "hvd_magic" / "config.py"]
     assert not readers, f"read these through hvd_magic.config.get: {readers}"
+
+
+def test_horovod_timeline_dynamic_writes_no_file_at_init(monkeypatch):
+    """Horovod's test files set HOROVOD_TIMELINE=DYNAMIC: no file until start_timeline."""
+    from hvd_magic.collectives.config import Config
+    monkeypatch.setenv("HOROVOD_TIMELINE", "DYNAMIC")
+    assert Config.from_env().timeline == ""
+    monkeypatch.setenv("HOROVOD_TIMELINE", "/tmp/t.json")
+    assert Config.from_env().timeline == "/tmp/t.json"

@@ -34,6 +34,7 @@ class Config:
             stall_check_s=stall,
             stall_shutdown_s=env.get("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"),
             cpu_operations=env.get("HOROVOD_CPU_OPERATIONS"),
-            timeline=env.get("HOROVOD_TIMELINE"),
+            # (Horovod's DYNAMIC: no file now; hvd.start_timeline may start one later)
+            timeline="" if env.get("HOROVOD_TIMELINE") == "DYNAMIC" else env.get("HOROVOD_TIMELINE"),
             timeline_mark_cycles=env.get("HOROVOD_TIMELINE_MARK_CYCLES"),
         )
