@@ -1,0 +1,249 @@
+"""Run Horovod's own parallel test files against hvd_magic, with only the import changed.
+
+    .venv/bin/python benchmarks/horovod_suite.py --horovod-src /tmp/hvdsrc \\
+        --file test/parallel/test_torch.py --np 2 --json /tmp/horovod_suite_torch.json
+
+The test files are not edited and no Horovod code is copied: they are read from a Horovod
+checkout (``--horovod-src``, default ``$HOROVOD_SRC``; ``git archive HEAD test/parallel
+test/utils | tar -x`` is enough). "Only the import changed" is done by a shim package
+``horovod`` written into a temporary directory and put first on PYTHONPATH (then the test
+directory, for ``base_test_*.py``, and ``test/utils``, for Horovod's ``common.py``):
+
+* ``horovod.torch``, ``horovod.tensorflow``, ``horovod.tensorflow.keras``, ``horovod.keras``
+  are aliases: a finder at the front of ``sys.meta_path`` puts the hvd_magic face module
+  itself in ``sys.modules`` under the Horovod name, so ``import horovod.torch as hvd`` gives
+  the very object ``hvd_magic.torch``. No other ``horovod.torch.*`` name exists.
+* Names the test files or ``common.py`` import that are not part of the faces, written here
+  minimally: ``horovod.common.util.is_version_greater_equal_than`` (packaging's version
+  compare), ``horovod.tensorflow.util._executing_eagerly`` (``tf.executing_eagerly()``; as
+  for any submodule, Python then also sets ``hvd_magic.tensorflow.util`` for that run),
+  ``horovod.runner.util.threads.in_thread`` (starts a thread), and ``mock`` (the PyPI
+  backport; here ``unittest.mock``) when it is not installed.
+
+Each test method (listed with ``ast``, the file is not imported) runs in its own launch:
+``flock /tmp/mpi.lock timeout T mpiexec -n NP python -m pytest FILE::Class::test -q -p
+no:cacheprovider -p horovod_suite_report``. The last plugin (also in the shim dir) writes
+each rank's outcome and first error line. A test passes when it passed on every rank; a
+launch past ``--timeout`` is a hang (its process group and its ranks are killed).
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+MPIEXEC = str(Path(sys.executable).with_name("mpiexec"))
+LOCK = "/tmp/mpi.lock"
+ALIASES = {"horovod.torch": "hvd_magic.torch", "horovod.tensorflow": "hvd_magic.tensorflow",
+           "horovod.tensorflow.keras": "hvd_magic.tensorflow.keras",
+           "horovod.keras": "hvd_magic.keras",
+           "horovod.tensorflow.util": "_horovod_suite_tf_util"}
+
+SHIM = {
+    "horovod/__init__.py": f'''
+        """Shim: Horovod's module names, answered by hvd_magic's faces (see horovod_suite.py)."""
+        import importlib, importlib.abc, importlib.util, sys
+        _ALIASES = {ALIASES!r}
+
+        class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+            def find_spec(self, name, path=None, target=None):
+                return importlib.util.spec_from_loader(name, self) if name in _ALIASES else None
+            def create_module(self, spec):  # a placeholder, replaced by exec_module
+                return None
+            def exec_module(self, module):  # the import system returns sys.modules[name]
+                sys.modules[module.__name__] = importlib.import_module(_ALIASES[module.__name__])
+
+        sys.meta_path.insert(0, _Alias())
+        ''',
+    "horovod/common/__init__.py": "", "horovod/runner/__init__.py": "",
+    "horovod/runner/util/__init__.py": "",
+    "horovod/common/util.py": '''
+        def is_version_greater_equal_than(ver, target):
+            from packaging import version
+            if not (isinstance(ver, str) and isinstance(target, str)):
+                raise ValueError(f"expected two version strings, got {ver!r} and {target!r}")
+            return version.parse(ver) >= version.parse(target)
+        ''',
+    "horovod/runner/util/threads.py": '''
+        import threading
+        def in_thread(target, args=(), name=None, daemon=True, silent=False):
+            thread = threading.Thread(target=target, args=args, name=name, daemon=daemon)
+            thread.start()
+            return thread
+        ''',
+    "_horovod_suite_tf_util.py": '''
+        def _executing_eagerly():
+            import tensorflow as tf
+            return tf.executing_eagerly()
+        ''',
+    "horovod_suite_report.py": '''
+        """pytest plugin: each rank appends its reports to $HOROVOD_SUITE_OUT/rank<r>.jsonl."""
+        import json, os
+        _RANK = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0"))
+        _PATH = os.path.join(os.environ["HOROVOD_SUITE_OUT"], f"rank{_RANK}.jsonl")
+        def _write(rec):
+            with open(_PATH, "a") as f: f.write(json.dumps(rec) + "\\n")
+
+        def _first_line(report):
+            lr = report.longrepr
+            if isinstance(lr, tuple):  # skip: (file, line, reason)
+                return str(lr[2])
+            crash = getattr(lr, "reprcrash", None)
+            text = (crash.message if crash is not None else str(lr)).strip()
+            return text.splitlines()[0] if text else ""
+        def pytest_configure(config):
+            _write({"pid": os.getpid()})
+        def pytest_runtest_logreport(report):
+            line = "" if report.passed else _first_line(report)
+            _write({"when": report.when, "outcome": report.outcome, "line": line})
+        def pytest_collectreport(report):
+            if report.failed:
+                _write({"when": "collect", "outcome": "failed", "line": _first_line(report)})
+        ''',
+}
+MOCK = "import sys, unittest.mock\nsys.modules[__name__] = unittest.mock\n"
+
+
+def write_shim(root: Path) -> None:
+    for rel, text in SHIM.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text).lstrip())
+    try:
+        import mock  # noqa: F401
+    except ImportError:
+        (root / "mock.py").write_text(MOCK)
+
+
+def list_tests(path: Path) -> list[str]:
+    """'Class::test_name' for each test method of each class in the file, in file order."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return [f"{cls.name}::{fn.name}" for cls in tree.body if isinstance(cls, ast.ClassDef)
+            for fn in cls.body if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and fn.name.startswith("test")]
+
+
+def rank_outcome(records: list[dict]) -> tuple[str, str]:
+    """One rank's (outcome, line) from its pytest reports."""
+    for rec in records:
+        if rec.get("outcome") == "failed":
+            return "failed", f"{rec['line']}" + (f" [in {rec['when']}]" if rec["when"] != "call" else "")
+    for rec in records:
+        if rec.get("outcome") == "skipped":
+            return "skipped", rec["line"]
+    if any(r.get("when") == "call" and r.get("outcome") == "passed" for r in records):
+        return "passed", ""
+    return "failed", ""  # no report: the rank died, or the name was not collected
+
+
+def decide(ranks: dict[int, tuple[str, str]], np_: int, rc: int, tail: str) -> tuple[str, str]:
+    """The test's (outcome, first error line) from every rank's outcome and the exit code."""
+    if rc in (124, 137):
+        return "hang", ""
+    for r in range(np_):
+        if r not in ranks or ranks[r] == ("failed", ""):
+            return "failed", f"rank {r} wrote no result (mpiexec exit {rc}): {tail}"
+    for r in range(np_):
+        if ranks[r][0] == "failed":
+            return "failed", ranks[r][1]
+    if all(o == "passed" for o, _ in ranks.values()):
+        return ("passed", "") if rc == 0 else ("failed", f"passed but mpiexec exit {rc}: {tail}")
+    return "skipped", next(line for o, line in ranks.values() if o == "skipped")
+
+
+def run_one(args, test_file: Path, test: str, env: dict, out: Path) -> dict:
+    for old in out.glob("rank*.jsonl"):
+        old.unlink()
+    cmd = ["flock", LOCK, "timeout", "--foreground", "-k", "10", str(args.timeout), MPIEXEC,
+           "-n", str(args.np), sys.executable, "-m", "pytest", f"{test_file}::{test}", "-q",
+           "-p", "no:cacheprovider", "-p", "horovod_suite_report"]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=test_file.parent, env=env, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output, _ = proc.communicate()
+    seconds, lines = time.monotonic() - start, [x for x in output.splitlines() if x.strip()]
+    ranks, pids = {}, []
+    for path in out.glob("rank*.jsonl"):
+        recs = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        pids += [r["pid"] for r in recs if "pid" in r]
+        ranks[int(path.stem[4:])] = rank_outcome([r for r in recs if "pid" not in r])
+    # sweep anything left of this launch: its process group, then (after a hang) its ranks
+    for kill, pid in [(os.killpg, proc.pid)] + [(os.kill, p) for p in pids
+                                                 if proc.returncode in (124, 137)]:
+        try:
+            kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    outcome, line = decide(ranks, args.np, proc.returncode, lines[-1] if lines else "")
+    return {"test": test, "outcome": outcome, "line": line, "rc": proc.returncode,
+            "seconds": round(seconds, 1), "ranks": {str(r): list(v) for r, v in ranks.items()},
+            "output_tail": output[-3000:] if outcome in ("failed", "hang") else ""}
+
+
+def summarize(results: list[dict]) -> str:
+    counts = collections.Counter(r["outcome"] for r in results)
+    text = [" ".join(f"{k}={counts.get(k, 0)}" for k in ("passed", "skipped", "failed", "hang"))
+            + f" of {len(results)}"]
+    causes = collections.defaultdict(list)
+    for r in results:
+        if r["outcome"] in ("failed", "hang"):
+            causes[r["line"] if r["outcome"] == "failed" else "hang (timeout)"].append(r["test"])
+    for cause, tests in sorted(causes.items(), key=lambda kv: -len(kv[1])):
+        text.append(f"\n[{len(tests)}] {cause}")
+        text += [f"    {t}" for t in tests]
+    return "\n".join(text)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--horovod-src", default=os.environ.get("HOROVOD_SRC"),
+                   help="Horovod checkout or export holding test/parallel (default $HOROVOD_SRC)")
+    p.add_argument("--file", default="test/parallel/test_torch.py")
+    p.add_argument("--np", type=int, default=2)
+    p.add_argument("-k", dest="k", default="", help="run only tests whose name holds this")
+    p.add_argument("--timeout", type=int, default=180, help="seconds per test launch")
+    p.add_argument("--json", default=None, help="write every test's outcome here")
+    args = p.parse_args(argv)
+    if not args.horovod_src:
+        p.error("give --horovod-src DIR (or set HOROVOD_SRC): a Horovod checkout with test/parallel")
+    src = Path(args.horovod_src).resolve()
+    test_file = src / args.file
+    if not test_file.is_file():
+        p.error(f"{test_file} does not exist; --file is relative to --horovod-src")
+    tests = [t for t in list_tests(test_file) if args.k in t]
+    with tempfile.TemporaryDirectory(prefix="horovod_suite_") as tmp:
+        shim, out = Path(tmp, "shim"), Path(tmp, "out")
+        write_shim(shim), out.mkdir()
+        env = dict(os.environ)
+        env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+                    "OMPI_MCA_btl": "self,sm", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                    "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe",
+                    "HOROVOD_SUITE_OUT": str(out),
+                    "PYTHONPATH": os.pathsep.join(filter(None, [
+                        str(shim), str(test_file.parent), str(src / "test" / "utils"),
+                        os.environ.get("PYTHONPATH")]))})
+        results = []
+        for i, test in enumerate(tests, 1):
+            res = run_one(args, test_file, test, env, out)
+            results.append(res)
+            print(f"[{i}/{len(tests)}] {res['outcome']:7} {res['seconds']:6.1f}s {test}"
+                  + (f"  -- {res['line']}" if res["line"] and res["outcome"] != "passed" else ""),
+                  flush=True)
+            if args.json:  # rewritten after each test so a cut-short run keeps what it has
+                Path(args.json).write_text(json.dumps({"file": args.file, "np": args.np,
+                                                       "tests": results}, indent=1))
+    print("\n" + summarize(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
