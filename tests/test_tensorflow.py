@@ -5,6 +5,7 @@ import inspect
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 tf = pytest.importorskip("tensorflow")
@@ -23,7 +24,7 @@ allgather_object allreduce grouped_allreduce allgather broadcast alltoall reduce
 broadcast_variables DistributedGradientTape Compression Average Sum Adasum Min Max Product
 HorovodInternalError ProcessSet global_process_set add_process_set remove_process_set""".split()
 HOROVOD_TF_ONLY = """grouped_allgather grouped_reducescatter broadcast_ broadcast_object_fn size_op
-process_set_included_op local_size_op rank_op local_rank_op""".split()
+process_set_included_op local_size_op rank_op local_rank_op SyncBatchNormalization""".split()
 
 # horovod.tensorflow 0.28's parameters, in order (hvd_magic may add parameters after them)
 HOROVOD_TF_SIGNATURES = {
@@ -128,6 +129,71 @@ def test_argument_errors(one_rank):
     with pytest.raises(ValueError, match="jit_compile"):
         tf.function(lambda: hvd.allreduce(tf.ones([2])), jit_compile=True)()
 
+
+def _bn_run(layer, x, mask, graph):
+    """Training output, moving statistics and gradients (x, gamma, beta) of sum(y * y)."""
+    def step():
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, training=True, mask=mask)
+            loss = tf.reduce_sum(y * y * tf.range(1.0, 4.0))
+        return [y] + tape.gradient(loss, [x, layer.gamma, layer.beta])
+    run = tf.function(step) if graph else step
+    outs = [run() for _ in range(2)]
+    return [o.numpy() for o in outs[-1]] + [layer.moving_mean.numpy(), layer.moving_variance.numpy()]
+
+
+def test_sync_batch_norm_one_rank_is_batch_norm(one_rank):
+    """At one rank SyncBatchNormalization is BatchNormalization, bit for bit (eager,
+    tf.function, with a mask); several ranks are checked under mpiexec (tf_checks.py)."""
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(size=(5, 2, 3)).astype("float32") * 2.0 + 1.0)
+    mask = tf.constant(rng.random((5, 2)) > 0.3)
+    for graph in (False, True):
+        for m in (None, mask):
+            sync, ref = hvd.SyncBatchNormalization(momentum=0.8), keras.layers.BatchNormalization(momentum=0.8)
+            for layer in (sync, ref):
+                layer.build(x.shape)
+                layer.set_weights([np.array([0.5, 2.0, -1.0], "float32"), np.array([0.1, 0.0, 0.3], "float32"),
+                                   np.zeros(3, "float32"), np.ones(3, "float32")])
+            for a, b in zip(_bn_run(sync, x, m, graph), _bn_run(ref, x, m, graph)):
+                np.testing.assert_array_equal(a, b)
+            np.testing.assert_array_equal(sync(x), ref(x))          # inference
+
+
+def test_sync_batch_norm_arguments():
+    """Horovod's constructor (fused=False, then BatchNormalization's); names as Keras gives them."""
+    assert list(inspect.signature(hvd.SyncBatchNormalization.__init__).parameters)[1:3] == ["fused", "kwargs"]
+    with pytest.raises(ValueError, match="fused=False"):
+        hvd.SyncBatchNormalization(fused=True)
+    with pytest.raises(ValueError, match="fused=False"):
+        hvd.SyncBatchNormalization(fused=None)
+    layer = hvd.SyncBatchNormalization(axis=1, momentum=0.5, epsilon=1e-2, center=False)
+    assert isinstance(layer, keras.layers.BatchNormalization)
+    assert layer.name.startswith("sync_batch_normalization")
+    again = keras.layers.deserialize(keras.layers.serialize(layer))
+    assert type(again) is hvd.SyncBatchNormalization
+    assert (again.axis, again.momentum, again.epsilon, again.center) == (1, 0.5, 1e-2, False)
+    assert not hasattr(hk, "SyncBatchNormalization")     # horovod.tensorflow.keras has none either
+
+
+def test_sync_batch_norm_totals_combine_ranks():
+    """The per-rank [count, sum, sum of squares] summed over "ranks" of different sizes give
+    the moments of the whole batch (what the allreduce does), with and without a mask."""
+    from hvd_magic.tensorflow.sync_batch_norm import local_totals, moments_from_totals
+    rng = np.random.default_rng(1)
+    parts = [rng.normal(size=(n, 4, 2)).astype("float32") + 3.0 for n in (1, 3, 6)]
+    masks = [rng.random((n, 4)) > 0.4 for n in (1, 3, 6)]
+    whole = np.concatenate(parts)
+    mean, var = moments_from_totals(sum(local_totals(tf.constant(p), -1, None) for p in parts))
+    np.testing.assert_allclose(mean, whole.mean((0, 1)), atol=1e-6)
+    np.testing.assert_allclose(var, whole.var((0, 1)), atol=1e-5)
+    mean, var = moments_from_totals(sum(local_totals(tf.constant(p), -1, m) for p, m in zip(parts, masks)))
+    kept = whole[np.concatenate(masks)]
+    np.testing.assert_allclose(mean, kept.mean(0), atol=1e-6)
+    np.testing.assert_allclose(var, kept.var(0), atol=1e-5)
+    mean, var = moments_from_totals(local_totals(tf.constant(parts[0]), -1, np.zeros((1, 4), bool)))
+    assert mean.numpy().tolist() == [0.0] * 2 and var.numpy().tolist() == [0.0] * 2
 
 def test_process_set_arguments_one_rank(one_rank):
     """process_set=, ignore_name_scope and the set ops on one rank (no mpiexec); sets of

@@ -59,4 +59,13 @@ def is_homogeneous() -> bool:
     return local_size() * cross_size() == size()
 
 
-__all__ = [n for n in dir() if not n.startswith("_") and n != "annotations"]
+def __getattr__(name: str) -> object:
+    """``SyncBatchNormalization`` is loaded on first use: it needs Keras 3 on the TensorFlow
+    backend, which plain ``import hvd_magic.tensorflow`` does not."""
+    if name == "SyncBatchNormalization":
+        from .sync_batch_norm import SyncBatchNormalization
+        return SyncBatchNormalization
+    raise AttributeError(f"module 'hvd_magic.tensorflow' has no attribute {name!r}")
+
+
+__all__ = [n for n in dir() if not n.startswith("_") and n != "annotations"] + ["SyncBatchNormalization"]

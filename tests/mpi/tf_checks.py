@@ -602,6 +602,76 @@ def _():
     same_everywhere("trained after load_model", loaded.get_weights())
 
 
+# ---------------------------------------------------------------- SyncBatchNormalization
+SB = [3 + r for r in range(N)]                    # rows per rank: a different size on each
+SB_MINE = slice(sum(SB[:R]), sum(SB[:R + 1]))
+rng_sb = np.random.default_rng(5)
+XS = (rng_sb.normal(size=(sum(SB), 2, 3)) * [1.0, 2.0, 0.5] + [0.0, 3.0, -1.0]).astype("float32")
+GS = rng_sb.normal(size=XS.shape).astype("float32")          # loss = sum(y * GS)
+MS = rng_sb.random(size=XS.shape[:2]) > 0.3                   # mask: input shape less the channels
+SB_WEIGHTS = [np.array([0.5, -1.5, 2.0], "float32"), np.array([0.1, 0.2, -0.3], "float32"),
+              np.array([0.3, 1.0, -0.5], "float32"), np.array([2.0, 0.5, 1.5], "float32")]
+
+
+def bn_step(layer, x, g, mask):
+    """Output and the gradients of sum(y * g) w.r.t. x, gamma and beta, in training."""
+    x = tf.convert_to_tensor(x)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        loss = tf.reduce_sum(layer(x, training=True, mask=mask) * g)
+    y = layer(x, training=False)     # not training: the moving statistics, no collective
+    return [loss, y] + tape.gradient(loss, [x, layer.gamma, layer.beta])
+
+
+@check("SyncBatchNormalization == BatchNormalization on all ranks' batches")
+def _():
+    for graph in (False, True):
+        for masked in (False, True):
+            label = f"sync bn {'tf.function' if graph else 'eager'}{' masked' if masked else ''}"
+            sync = hvd.SyncBatchNormalization(momentum=0.9)
+            ref = keras.layers.BatchNormalization(momentum=0.9)
+            for layer in (sync, ref):
+                layer.build((None,) + XS.shape[1:])
+                layer.set_weights(SB_WEIGHTS)
+            mask = tf.constant(MS[SB_MINE]) if masked else None
+            def step():
+                return bn_step(sync, XS[SB_MINE], GS[SB_MINE], mask)
+            step = tf.function(step) if graph else step
+            for _ in range(2):            # twice: the moving statistics move twice
+                got = step()
+                want = bn_step(ref, XS, GS, tf.constant(MS) if masked else None)
+            close(f"{label} loss summed", hvd.allreduce(got[0], op=hvd.Sum), want[0], 1e-4)
+            close(f"{label} moving_mean", sync.moving_mean.numpy(), ref.moving_mean.numpy())
+            close(f"{label} moving_variance", sync.moving_variance.numpy(), ref.moving_variance.numpy())
+            close(f"{label} inference output", got[1], want[1][SB_MINE])
+            close(f"{label} grad x", got[2], want[2][SB_MINE])
+            close(f"{label} grad gamma summed", hvd.allreduce(got[3], op=hvd.Sum), want[3], 1e-4)
+            close(f"{label} grad beta summed", hvd.allreduce(got[4], op=hvd.Sum), want[4], 1e-4)
+            y = sync(tf.constant(XS[SB_MINE]), training=True)
+            close(f"{label} training output", y, ref(XS, training=True)[SB_MINE])
+
+
+def make_bn_net(seed, bn):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((5,)), keras.layers.Dense(8), bn(momentum=0.5),
+                             keras.layers.Activation("tanh"), keras.layers.Dense(1)])
+
+
+@check("model.fit with SyncBatchNormalization == single-process BatchNormalization")
+def _():
+    model = make_bn_net(100 + R, hvd.SyncBatchNormalization)
+    model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    model.fit(XK[SHARD], YK[SHARD], batch_size=B, epochs=2, shuffle=False, verbose=0,
+              callbacks=[hk.callbacks.BroadcastGlobalVariablesCallback(0)])
+    ref = make_bn_net(100, keras.layers.BatchNormalization)
+    ref.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    ref.fit(XK, YK, batch_size=B * N, epochs=2, shuffle=False, verbose=0)
+    for i, (a, b) in enumerate(zip(model.get_weights(), ref.get_weights())):
+        close(f"fit sync bn weight {i}", a, b, 1e-4)
+    same_everywhere("fit sync bn weights", model.get_weights())
+    close("predict sync bn", model.predict(XK[:8], verbose=0), ref.predict(XK[:8], verbose=0), 1e-4)
+
+
 hvd.barrier()
 if FAILS:
     for f in FAILS:
