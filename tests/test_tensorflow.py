@@ -151,10 +151,12 @@ def test_sync_batch_norm_one_rank_is_batch_norm(one_rank):
     mask = tf.constant(rng.random((5, 2)) > 0.3)
     for graph in (False, True):
         for m in (None, mask):
-            sync, ref = hvd.SyncBatchNormalization(momentum=0.8), keras.layers.BatchNormalization(momentum=0.8)
+            sync = hvd.SyncBatchNormalization(momentum=0.8)
+            ref = keras.layers.BatchNormalization(momentum=0.8)
             for layer in (sync, ref):
                 layer.build(x.shape)
-                layer.set_weights([np.array([0.5, 2.0, -1.0], "float32"), np.array([0.1, 0.0, 0.3], "float32"),
+                layer.set_weights([np.array([0.5, 2.0, -1.0], "float32"),
+                                   np.array([0.1, 0.0, 0.3], "float32"),
                                    np.zeros(3, "float32"), np.ones(3, "float32")])
             for a, b in zip(_bn_run(sync, x, m, graph), _bn_run(ref, x, m, graph)):
                 np.testing.assert_array_equal(a, b)
