@@ -67,14 +67,14 @@ class GradientReducer:
         self.name = name
         if not isinstance(process_set, ProcessSet):
             raise TypeError(f"process_set must be a ProcessSet, not {type(process_set).__name__}")
-        if process_set.process_set_id != 0 and not process_set.included():
-            raise ValueError(f"{who}(process_set={process_set}): rank {C.rank()} is not in that "
-                             "set; only its ranks reduce their gradients with it")
         self.ps = process_set
 
     def size(self) -> int:
-        """Number of ranks the gradients are reduced over."""
-        return C.size() if self.ps.process_set_id == 0 else self.ps.size()
+        """Number of ranks the gradients are reduced over (1 on a rank outside the set: its
+        gradients stay local, as Horovod's)."""
+        if self.ps.process_set_id == 0:
+            return C.size()
+        return self.ps.size() if self.ps.included() else 1
 
     def _buckets(self, n: int, variables: Optional[Sequence[Any]]) -> list:
         """Lists of indices (into the dense gradients) reduced together."""

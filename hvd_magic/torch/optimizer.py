@@ -169,9 +169,10 @@ class _DistributedOptimizer:
         """Wait for the gradients' allreduces, then run the wrapped optimizer's step."""
         if self._hvd_should_sync:
             if self._hvd_synchronized and not self._hvd_fired:
-                warnings.warn("optimizer.step() called after optimizer.synchronize() without "
-                              "optimizer.skip_synchronize(); gradients are reduced again (wrap "
-                              "step() in `with optimizer.skip_synchronize():`)")
+                # (the first sentence is Horovod's, which scripts and tests match)
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "context after optimizer.synchronize(); gradients are reduced "
+                              "again (wrap step() in `with optimizer.skip_synchronize():`)")
             self.synchronize()
         self._hvd_synchronized = False
         return super().step(closure)
@@ -331,7 +332,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
     ``op`` is hvd.Average or hvd.Sum; ``gradient_predivide_factor=f`` divides by f before
     the sum and by size/f after; ``groups`` (int or list of lists of parameters) reduces
     those gradients together (``num_groups=k``, Horovod's older spelling, is ``groups=k``).
-    With ``process_set``, gradients are averaged over its ranks only (only they create it).
+    With ``process_set``, gradients are averaged over its ranks only; on a rank outside the
+    set it is the plain local optimizer (as Horovod's).
 
     ``op=hvd.Adasum`` works as Horovod's Adasum optimizer: ``step()`` applies the local
     update, then each parameter's change is Adasum-reduced over the ranks and applied (see
@@ -344,9 +346,6 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
     _check_args(backward_passes_per_step, op, gradient_predivide_factor, compression)
     if num_groups and groups is None:
         groups = num_groups
-    if process_set.process_set_id != 0 and not process_set.included():
-        raise ValueError(f"DistributedOptimizer(process_set={process_set}): rank {C.rank()} is not "
-                         "in that set; only its ranks wrap their optimizer with it")
     adasum = to_op(op) == Adasum
     base = type(optimizer)
     mixin = _DistributedAdasumOptimizer if adasum else _DistributedOptimizer
@@ -362,7 +361,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
 
 
 def _set_size(process_set: ProcessSet) -> int:
-    return C.size() if process_set.process_set_id == 0 else (process_set.size() or 0)
+    """Ranks the gradients are reduced over (1 on a rank outside the set: it trains locally)."""
+    if process_set.process_set_id == 0:
+        return C.size()
+    return process_set.size() if process_set.included() else 1
 
 
 def _check_same_layout(buckets: list, process_set: ProcessSet = global_process_set) -> None:
