@@ -110,7 +110,8 @@ class Executor:
         if self.tl.active:
             self._queue_events(entries, decided)
         try:
-            self.backend(entries[0][1].device).allreduce(entries, self.size - len(responses[0].joined))
+            # joined ranks count as zeros: Average divides by every rank, as Horovod's does
+            self.backend(entries[0][1].device).allreduce(entries, self.size)
             err = None
         except Exception as exc:  # noqa: BLE001
             names = ", ".join(r.name for r in responses)

@@ -421,7 +421,8 @@ def _():
 
 @section("join with uneven data")
 def _():
-    # rank k does k+1 steps, then joins. Step i is contributed by ranks k >= i.
+    # rank k does k+1 steps, then joins. Step i is contributed by ranks k >= i; a joined rank
+    # counts as zeros, so Average divides by every rank (as Horovod's)
     for rep in range(2):
         for i in range(r + 1):
             hs = [
@@ -434,10 +435,10 @@ def _():
                 ("max small", hvd.allreduce_async(np.full(2, -r - 1, np.int8), name=f"j{rep}.{i}.x", op=hvd.Max)),
             ]
             contrib = [k for k in range(n) if k >= i]
-            refs = {"avg small": np.mean([10.0 * k + i for k in contrib]),
-                    "avg big": np.mean([10.0 * k + i for k in contrib]),
+            refs = {"avg small": sum(10.0 * k + i for k in contrib) / n,
+                    "avg big": sum(10.0 * k + i for k in contrib) / n,
                     "sum int big": sum(k + 1 for k in contrib),
-                    "avg int": sum(2 * k + 1 for k in contrib) // len(contrib),
+                    "avg int": sum(2 * k + 1 for k in contrib) // n,
                     "min big": min(k + 5 for k in contrib),
                     "max small": max(-k - 1 for k in contrib)}
             for what, h in hs:
@@ -556,10 +557,10 @@ def _():
         o = hvd.allreduce(torch.full((999,), float(r)), name="chunk torch")
         check(torch.is_tensor(o) and bool(torch.allclose(o, torch.full((999,), (n - 1) / 2))),
               "torch tensor out of place")
-    # a joined rank contributes nothing to chunked allreduces (it reduces identity values)
+    # a joined rank contributes zeros to chunked allreduces too (Average divides by every rank)
     if r != n - 1:
         got = hvd.allreduce(np.full(1000, float(r)), name="chunk join")
-        check(np.allclose(got, np.mean(range(n - 1))), f"Average with rank {n - 1} joined: {got[:2]}")
+        check(np.allclose(got, sum(range(n - 1)) / n), f"Average with rank {n - 1} joined: {got[:2]}")
     hvd.join()
     # Submitted together: tensors of a chunk or more are reduced alone, the small ones fused.
     path = os.path.join(TMP, "chunks.json")
