@@ -9,8 +9,10 @@ collective on the gradient, so every rank must call ``backward`` too:
 - allgather: the gradient is averaged over the ranks and each rank keeps its own rows;
 - broadcast: the gradient is averaged over the ranks; the root keeps it, others get zeros
   (allgather and broadcast average as ``horovod.torch`` does);
-- grouped_reducescatter (Average or Sum): the gradient is allgathered and scaled like the
-  forward pass (divided by the number of ranks for Average).
+- alltoall: the gradient goes back to where its rows came from (an alltoall with the
+  received splits);
+- reducescatter, grouped_reducescatter (Average or Sum): the gradient is allgathered,
+  times the scale factors, and times the number of ranks for Sum (Horovod's rule).
 
 The in-place twins (``allreduce_``, ``broadcast_``, ``*_async_``) are not differentiable.
 """
@@ -24,9 +26,9 @@ import hvd_magic.collectives as C
 from hvd_magic.collectives import Average, Handle, ProcessSet, Sum, global_process_set
 from hvd_magic.collectives.grouped import grouped_allgather_rows
 from hvd_magic.collectives.ops import resolve_op, to_op
-from hvd_magic.collectives.process_sets import engine_of
 
 from .compression import Compression, Compressor
+from .sparse import SparseHandle, sparse_allreduce_async
 
 
 _op = resolve_op   # Horovod's average=/op= rule, shared by the faces
@@ -136,10 +138,62 @@ class _GroupedReducescatter(torch.autograd.Function):
         if ctx.op not in (Average, Sum):
             raise ValueError(f"the gradient of grouped_reducescatter is only defined for op=hvd.Average "
                              f"or hvd.Sum, not {ctx.op.name}; detach the inputs for other ops")
-        n = C.size() if ctx.ps.process_set_id == 0 else ctx.ps.size()
-        scale = float(ctx.prescale) * float(ctx.postscale) / (n if ctx.op == Average else 1)
         gathered = C.grouped_allgather([g.contiguous() for g in grads], process_set=ctx.ps)
+        scale = _reducescatter_grad_scale(ctx)
         return (None, None, None, None, None, *[g * scale if scale != 1.0 else g for g in gathered])
+
+
+def _reducescatter_grad_scale(ctx: Any) -> float:
+    """Horovod's factor on a reducescatter's allgathered gradient: the scale factors, times
+    the number of ranks for Sum."""
+    n = C.size() if ctx.ps.process_set_id == 0 else ctx.ps.size()
+    return float(ctx.prescale) * float(ctx.postscale) * (n if ctx.op == Sum else 1)
+
+
+class _Reducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, op, prescale, postscale, ps):  # type: ignore[override]
+        ctx.op, ctx.prescale, ctx.postscale, ctx.ps = op, prescale, postscale, ps
+        return C.reducescatter(tensor.detach(), name=name, op=op, prescale_factor=prescale,
+                               postscale_factor=postscale, process_set=ps)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        if ctx.op not in (Average, Sum):
+            raise ValueError(f"the gradient of reducescatter is only defined for op=hvd.Average "
+                             f"or hvd.Sum, not {ctx.op.name}; detach the input for other ops")
+        g = C.allgather(grad.contiguous(), process_set=ctx.ps)
+        scale = _reducescatter_grad_scale(ctx)
+        return (g * scale if scale != 1.0 else g), None, None, None, None, None
+
+
+class _Alltoall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, splits, name, ps):  # type: ignore[override]
+        out, received = C.alltoall(tensor.detach(), splits=_split_list(tensor, splits, ps),
+                                   name=name, process_set=ps)
+        ctx.received, ctx.ps = received, ps
+        if splits is None:
+            return out
+        ctx.mark_non_differentiable(received)
+        return out, received
+
+    @staticmethod
+    def backward(ctx, grad, *_):  # type: ignore[override]
+        g, _ = C.alltoall(grad.contiguous(), splits=ctx.received, process_set=ctx.ps)
+        return g, None, None, None
+
+
+def _split_list(tensor: torch.Tensor, splits: Any, ps: ProcessSet) -> Any:
+    """``splits`` as given, or the equal shares Horovod uses when it is None (so that the
+    received splits, needed by the gradient, come back either way)."""
+    if splits is not None:
+        return splits
+    n = C.size() if ps.process_set_id == 0 else ps.size()
+    rows = int(tensor.shape[0]) if tensor.dim() else 0
+    if tensor.dim() == 0 or rows % n:
+        return None        # (the runtime raises its usual error)
+    return [rows // n] * n
 
 
 class _Broadcast(torch.autograd.Function):
@@ -329,8 +383,18 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] =
 
 def alltoall(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None,
              process_set: ProcessSet = global_process_set) -> Any:
-    """Send ``splits[j]`` rows to rank j and concatenate what arrives (see hvd_magic.collectives)."""
-    return C.alltoall(_tensor(tensor, "alltoall"), splits=splits, name=name, process_set=process_set)
+    """Send ``splits[j]`` rows to rank j and concatenate what arrives; with ``splits``, also
+    the rows received from each rank. Differentiable.
+
+    Example, 2 ranks::
+
+        rank 0: alltoall(torch.tensor([1, 2]))  -> tensor([1, 3])
+        rank 1: alltoall(torch.tensor([3, 4]))  -> tensor([2, 4])
+    """
+    t = _tensor(tensor, "alltoall")
+    if _split_list(t, splits, process_set) is None:      # argument errors, as the runtime words them
+        return C.alltoall(t, splits=splits, name=name, process_set=process_set)
+    return _Alltoall.apply(t, splits, name, process_set)
 
 
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None,
@@ -343,10 +407,11 @@ def reducescatter(tensor: torch.Tensor, name: Optional[str] = None,
                   compression: type[Compressor] = Compression.none, op: Any = Average,
                   process_set: ProcessSet = global_process_set,
                   prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
-    """Reduce over all ranks and give each rank its share of dimension 0."""
+    """Reduce over all ranks and give each rank its share of dimension 0; differentiable for
+    Average and Sum."""
     compressed, ctx = compression.compress(_tensor(tensor, "reducescatter"))
-    out = C.reducescatter(compressed, name=name, op=op, prescale_factor=prescale_factor,
-                          postscale_factor=postscale_factor, process_set=process_set)
+    out = _Reducescatter.apply(compressed, name, to_op(op), prescale_factor, postscale_factor,
+                               process_set)
     return compression.decompress(out, ctx)
 
 
@@ -385,67 +450,16 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[
                                          postscale_factor=postscale_factor, process_set=process_set)
 
 
-# ---------------------------------------------------------------- sparse allreduce
-
-class _SparseHandle:
-    """What :func:`sparse_allreduce_async` returns: ``synchronize(handle)``, or ``handle()``
-    as in Horovod, gives the sparse result."""
-
-    def __init__(self, size: torch.Size, indices: Handle, values: Handle, divisor: int):
-        self.size, self.indices, self.values, self.divisor = size, indices, values, divisor
-
-    def done(self) -> bool:
-        return self.indices.done() and self.values.done()
-
-    def wait(self) -> torch.Tensor:
-        values, indices = self.values.wait(), self.indices.wait()
-        if self.divisor > 1:
-            values = values / self.divisor
-        return torch.sparse_coo_tensor(indices.t(), values, self.size, check_invariants=False)
-
-    __call__ = wait
-
-
-def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str], op: Any,
-                           process_set: ProcessSet = global_process_set) -> _SparseHandle:
-    """Start an allreduce of a sparse COO tensor, as Horovod does it: every rank's indices and
-    values are allgathered (``name.indices``, ``name.values``) into one uncoalesced sparse
-    tensor (duplicate indices add up when used or coalesced); Average divides the values by
-    the number of ranks. ``synchronize(handle)`` or ``handle()`` gives the result.
-
-    Example, 2 ranks, op=Sum (dense view of the result)::
-
-        rank 0: sparse [0, 5, 0] -> [1, 5, 2]
-        rank 1: sparse [1, 0, 2] -> [1, 5, 2]
-    """
-    t = _tensor(tensor, "sparse_allreduce_async")
-    if t.layout != torch.sparse_coo:
-        raise TypeError(f"sparse_allreduce_async takes a sparse COO tensor, not a {t.layout} one; "
-                        "use allreduce_async for dense tensors")
-    op = to_op(op)
-    if op not in (Average, Sum):
-        raise ValueError(f"sparse_allreduce_async supports op=hvd.Average or hvd.Sum, not {op.name}: "
-                         "it allgathers the entries; densify with tensor.to_dense() for other ops")
-    base = C.api.request_name("sparse_allreduce", name, engine_of(process_set))
-    t = t.detach()
-    indices = C.allgather_async(t._indices().t().contiguous(), name=f"{base}.indices",
-                                process_set=process_set)
-    values = C.allgather_async(t._values().contiguous(), name=f"{base}.values",
-                               process_set=process_set)
-    n = C.size() if process_set.process_set_id == 0 else process_set.size()
-    return _SparseHandle(t.size(), indices, values, n if op == Average else 1)
-
-
 # ---------------------------------------------------------------- handles, join, barrier
 
 def poll(handle: Handle) -> bool:
     """True once ``handle``'s operation has finished (never blocks)."""
-    return handle.done() if isinstance(handle, _SparseHandle) else C.poll(handle)
+    return handle.done() if isinstance(handle, SparseHandle) else C.poll(handle)
 
 
 def synchronize(handle: Handle) -> Any:
     """Wait for ``handle``'s operation and return its output tensor."""
-    return handle.wait() if isinstance(handle, _SparseHandle) else C.synchronize(handle)
+    return handle.wait() if isinstance(handle, SparseHandle) else C.synchronize(handle)
 
 
 def join(device: int = -1) -> int:

@@ -44,6 +44,7 @@ class _DistributedOptimizer:
         self._hvd_n = n = _set_size(process_set)
         all_params = [p for g in self.param_groups for p in g["params"]]
         names = _param_names(self.param_groups, named_parameters)
+        self._parameter_names = {p: names[id(p)] for p in all_params}   # (Horovod's attribute)
         op = to_op(op)
         factor = float(gradient_predivide_factor)
         self._hvd_names = names
@@ -205,6 +206,7 @@ class _DistributedAdasumOptimizer:
         self._hvd_n = _set_size(process_set)
         names = _param_names(self.param_groups, named_parameters)
         self._hvd_names = names
+        self._parameter_names = {p: names[id(p)] for g in self.param_groups for p in g["params"]}
         self._hvd_compression = compression
         self._hvd_passes = backward_passes_per_step
         self._hvd_requires = [p for g in self.param_groups for p in g["params"] if p.requires_grad]

@@ -183,9 +183,10 @@ def _():
     start, count = my_share(rows)
     base = torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3)
     w = torch.linspace(-1.0, 2.0, rows * 3).reshape(rows, 3)
-    for op, pre, post, value, grad in [(hvd.Sum, 1.0, 1.0, N * (N + 1) / 2, 1.0),
-                                       (hvd.Sum, 2.0, 0.5, N * (N + 1) / 2, 1.0),
-                                       (hvd.Average, 1.0, 3.0, 3.0 * (N + 1) / 2, 1.0 / N)]:
+    # gradients follow Horovod's rule: allgathered, times the scale factors, times N for Sum
+    for op, pre, post, value, grad in [(hvd.Sum, 1.0, 1.0, N * (N + 1) / 2, float(N)),
+                                       (hvd.Sum, 2.0, 0.5, N * (N + 1) / 2, float(N)),
+                                       (hvd.Average, 1.0, 3.0, 3.0 * (N + 1) / 2, 1.0)]:
         xs = [(base * (R + 1)).requires_grad_(), (base[:N] * (R + 1)).double().requires_grad_()]
         ys = hvd.grouped_reducescatter(xs, name=f"tg.rs.{op.name}.{pre}", op=op, prescale_factor=pre,
                                        postscale_factor=post)
@@ -193,7 +194,7 @@ def _():
         close(f"{label} 0", ys[0], (base * value)[start:start + count], 1e-4)
         close(f"{label} 1", ys[1], (base[:N] * value)[R:R + 1], 1e-4)
         ((ys[0] * w[start:start + count]).sum() + ys[1].sum()).backward()
-        # d(sum of every rank's loss)/dx: the weights of the rows, times the scale
+        # the weights of the rows, times the scale
         close(f"{label} grad 0", xs[0].grad, w * grad * pre * post)
         close(f"{label} grad 1", xs[1].grad, torch.full((N, 3), grad * pre * post, dtype=torch.float64))
     out = hvd.grouped_reducescatter([torch.ones(N, 2)], compression=hvd.Compression.fp16, op=hvd.Sum)[0]

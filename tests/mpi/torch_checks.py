@@ -519,6 +519,33 @@ def _():
     close("autograd allgather", x.grad, W[off:off + R + 1], 1e-6)   # averaged, as horovod.torch
 
 
+@check("autograd alltoall")
+def _():
+    # equal splits: rank r sends row j to rank j; the gradient comes back to where rows came from
+    x = (torch.arange(N, dtype=torch.float32) + 10 * R).requires_grad_()
+    y = hvd.alltoall(x)
+    close("alltoall value", y.detach(), torch.tensor([10.0 * k + R for k in range(N)]), 0.0)
+    (y * (torch.arange(N, dtype=torch.float32) + 1)).sum().backward()
+    close("autograd alltoall", x.grad, torch.full((N,), float(R + 1)), 0.0)
+    # uneven splits: rank r sends r + 1 rows to rank 0, nothing to the others
+    x = torch.full((R + 1, 2), float(R)).requires_grad_()
+    out, received = hvd.alltoall(x, splits=[R + 1] + [0] * (N - 1))
+    if received.tolist() != ([k + 1 for k in range(N)] if R == 0 else [0] * N):
+        FAILS.append(f"alltoall received splits {received.tolist()}")
+    (out * 3).sum().backward()
+    close("autograd alltoall uneven", x.grad, torch.full((R + 1, 2), 3.0), 0.0)
+
+
+@check("autograd reducescatter")
+def _():
+    for op, scale in ((hvd.Sum, N), (hvd.Average, 1)):    # Horovod's rule: Sum scales by N
+        x = torch.ones(2 * N, 3).requires_grad_()
+        y = hvd.reducescatter(x, op=op, prescale_factor=2.0)
+        (y * (R + 1)).sum().backward()
+        want = torch.cat([torch.full((2, 3), 2.0 * scale * (k + 1)) for k in range(N)])
+        close(f"autograd reducescatter {op.name}", x.grad, want, 1e-6)
+
+
 @check("autograd broadcast")
 def _():
     root = N - 1
