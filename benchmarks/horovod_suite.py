@@ -87,7 +87,7 @@ SHIM = {
         ''',
     "horovod_suite_report.py": '''
         """pytest plugin: each rank appends its reports to $HOROVOD_SUITE_OUT/rank<r>.jsonl."""
-        import json, os
+        import json, os, time
         _RANK = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0"))
         _PATH = os.path.join(os.environ["HOROVOD_SUITE_OUT"], f"rank{_RANK}.jsonl")
         def _write(rec):
@@ -104,13 +104,13 @@ SHIM = {
             _write({"pid": os.getpid()})
         def pytest_runtest_logreport(report):
             line = "" if report.passed else _first_line(report)
-            _write({"when": report.when, "outcome": report.outcome, "line": line})
+            _write({"when": report.when, "outcome": report.outcome, "line": line, "t": time.time()})
         def pytest_collectreport(report):
             if report.failed:
-                _write({"when": "collect", "outcome": "failed", "line": _first_line(report)})
+                _write({"when": "collect", "outcome": "failed", "line": _first_line(report),
+                        "t": time.time()})
         ''',
 }
-MOCK = "import sys, unittest.mock\nsys.modules[__name__] = unittest.mock\n"
 
 
 def write_shim(root: Path) -> None:
@@ -121,7 +121,7 @@ def write_shim(root: Path) -> None:
     try:
         import mock  # noqa: F401
     except ImportError:
-        (root / "mock.py").write_text(MOCK)
+        (root / "mock.py").write_text("import sys, unittest.mock\nsys.modules[__name__] = unittest.mock\n")
 
 
 def list_tests(path: Path) -> list[str]:
@@ -132,32 +132,33 @@ def list_tests(path: Path) -> list[str]:
             and fn.name.startswith("test")]
 
 
-def rank_outcome(records: list[dict]) -> tuple[str, str]:
-    """One rank's (outcome, line) from its pytest reports."""
+def rank_outcome(records: list[dict]) -> tuple[str, str, float]:
+    """One rank's (outcome, line, time of its failure) from its pytest reports."""
     for rec in records:
         if rec.get("outcome") == "failed":
-            return "failed", f"{rec['line']}" + (f" [in {rec['when']}]" if rec["when"] != "call" else "")
-    for rec in records:
-        if rec.get("outcome") == "skipped":
-            return "skipped", rec["line"]
+            where = f" [in {rec['when']}]" if rec["when"] != "call" else ""
+            return "failed", rec["line"] + where, rec.get("t", 0.0)
+    for rec in (r for r in records if r.get("outcome") == "skipped"):
+        return "skipped", rec["line"], 0.0
     if any(r.get("when") == "call" and r.get("outcome") == "passed" for r in records):
-        return "passed", ""
-    return "failed", ""  # no report: the rank died, or the name was not collected
+        return "passed", "", 0.0
+    return "failed", "", 0.0  # no report: the rank died, or the name was not collected
 
 
-def decide(ranks: dict[int, tuple[str, str]], np_: int, rc: int, tail: str) -> tuple[str, str]:
-    """The test's (outcome, first error line) from every rank's outcome and the exit code."""
+def decide(ranks: dict, np_: int, rc: int, tail: str) -> tuple[str, str]:
+    """The test's (outcome, first error line): of failing ranks, the first to fail is the
+    cause (the others often fail because it left, e.g. hvd_magic's ShutdownError)."""
     if rc in (124, 137):
         return "hang", ""
     for r in range(np_):
-        if r not in ranks or ranks[r] == ("failed", ""):
+        if r not in ranks or ranks[r][:2] == ("failed", ""):
             return "failed", f"rank {r} wrote no result (mpiexec exit {rc}): {tail}"
-    for r in range(np_):
-        if ranks[r][0] == "failed":
-            return "failed", ranks[r][1]
-    if all(o == "passed" for o, _ in ranks.values()):
+    failed = sorted((t, line) for o, line, t in ranks.values() if o == "failed")
+    if failed:
+        return "failed", failed[0][1]
+    if all(o == "passed" for o, _, _ in ranks.values()):
         return ("passed", "") if rc == 0 else ("failed", f"passed but mpiexec exit {rc}: {tail}")
-    return "skipped", next(line for o, line in ranks.values() if o == "skipped")
+    return "skipped", next(line for o, line, _ in ranks.values() if o == "skipped")
 
 
 def run_one(args, test_file: Path, test: str, env: dict, out: Path) -> dict:
@@ -198,8 +199,7 @@ def summarize(results: list[dict]) -> str:
         if r["outcome"] in ("failed", "hang"):
             causes[r["line"] if r["outcome"] == "failed" else "hang (timeout)"].append(r["test"])
     for cause, tests in sorted(causes.items(), key=lambda kv: -len(kv[1])):
-        text.append(f"\n[{len(tests)}] {cause}")
-        text += [f"    {t}" for t in tests]
+        text += [f"\n[{len(tests)}] {cause}"] + [f"    {t}" for t in tests]
     return "\n".join(text)
 
 
@@ -209,7 +209,8 @@ def main(argv=None) -> int:
                    help="Horovod checkout or export holding test/parallel (default $HOROVOD_SRC)")
     p.add_argument("--file", default="test/parallel/test_torch.py")
     p.add_argument("--np", type=int, default=2)
-    p.add_argument("-k", dest="k", default="", help="run only tests whose name holds this")
+    p.add_argument("-k", dest="k", action="append", default=[],
+                   help="run only tests whose name holds this (repeat: any of them)")
     p.add_argument("--timeout", type=int, default=180, help="seconds per test launch")
     p.add_argument("--json", default=None, help="write every test's outcome here")
     args = p.parse_args(argv)
@@ -219,15 +220,14 @@ def main(argv=None) -> int:
     test_file = src / args.file
     if not test_file.is_file():
         p.error(f"{test_file} does not exist; --file is relative to --horovod-src")
-    tests = [t for t in list_tests(test_file) if args.k in t]
+    tests = [t for t in list_tests(test_file) if not args.k or any(k in t for k in args.k)]
     with tempfile.TemporaryDirectory(prefix="horovod_suite_") as tmp:
         shim, out = Path(tmp, "shim"), Path(tmp, "out")
         write_shim(shim), out.mkdir()
         env = dict(os.environ)
         env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
                     "OMPI_MCA_btl": "self,sm", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                    "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe",
-                    "HOROVOD_SUITE_OUT": str(out),
+                    "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe", "HOROVOD_SUITE_OUT": str(out),
                     "PYTHONPATH": os.pathsep.join(filter(None, [
                         str(shim), str(test_file.parent), str(src / "test" / "utils"),
                         os.environ.get("PYTHONPATH")]))})
