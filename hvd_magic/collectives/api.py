@@ -120,7 +120,7 @@ def allreduce(tensor: Any, name: Optional[str] = None, op: Any = Average,
 
     ``op`` is Average (default), Sum, Min, Max or Product. The input is multiplied by
     ``prescale_factor`` before and the result by ``postscale_factor`` after the reduction.
-    Integer Average rounds down; float16/bfloat16 are reduced in float32. With
+    Integer Average rounds toward zero; float16/bfloat16 are reduced in float32. With
     ``process_set``, only its ranks take part (and only they call it).
 
     Example, 2 ranks::

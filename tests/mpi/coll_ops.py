@@ -52,7 +52,7 @@ def values(rank, shape, dtype, kind="sum"):
     else:
         v = (i * 7 + rank * 5) % 21                          # 0..20
         if dtype in SIGNED or dtype.startswith(("float", "bfloat")):
-            v = v - 10                                       # -10..10 (negative: floor average)
+            v = v - 10                                       # -10..10 (negative: average toward zero)
     if dtype.startswith(("float", "bfloat")):
         return (v / 2.0).reshape(shape)                      # halves: exact in bfloat16 too
     return v.reshape(shape)
@@ -135,7 +135,7 @@ def reduce_ref(inputs, op, dtype, pre=1.0, post=1.0):
         for x in xs[1:]:
             acc = acc * x
     if op == hvd.Average:
-        acc = np.floor_divide(acc, len(xs)) if is_int else acc / len(xs)
+        acc = np.trunc(acc / len(xs)).astype(acc.dtype) if is_int else acc / len(xs)
     if post != 1.0:
         acc = acc * post
         if is_int:
@@ -237,13 +237,13 @@ def run_all():
                 got = hvd.allreduce(x, name=NAME + label, op=hvd.Sum, postscale_factor=3.0)
                 check_result(label, got, ref, dtype, fw, exact=True)
 
-    # integer Average rounds down (floor), also for negative sums
-    @case("int average floor")
+    # integer Average rounds toward zero (as Horovod's), also for negative sums
+    @case("int average toward zero")
     def _():
-        x = np.array([r * 2 + 1, -(r * 2 + 1), 1 if r == 0 else 0], dtype=np.int64)
+        x = np.array([r * 2 + 1, -(r * 2 + 1), 1 if r == 0 else 0, -1 if r == 0 else 0], dtype=np.int64)
         got = hvd.allreduce(x, name=NAME + "floor")
-        s = np.array([sum(k * 2 + 1 for k in range(n)), -sum(k * 2 + 1 for k in range(n)), 1])
-        check_result("int average floor", got, np.floor_divide(s, n), "int64", "np")
+        s = np.array([sum(k * 2 + 1 for k in range(n)), -sum(k * 2 + 1 for k in range(n)), 1, -1])
+        check_result("int average toward zero", got, np.trunc(s / n).astype(np.int64), "int64", "np")
 
     # bool: Min/Max/Product are logical; Sum/Average raise TypeError
     for fw in ("np", "torch"):

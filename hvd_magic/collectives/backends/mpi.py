@@ -286,7 +286,7 @@ class MPIBackend:
     @staticmethod
     def _finish_into(dst: np.ndarray, res: np.ndarray, op: ReduceOp, postscale: float,
                      n_contrib: int) -> None:
-        """``dst`` := ``res`` averaged (floor division for integers) and post-scaled, in one
+        """``dst`` := ``res`` averaged (integers rounded toward zero, as Horovod's) and post-scaled, in one
         pass; ``dst`` may be ``res`` (in place: nothing is done when there is nothing to do)."""
         kind = res.dtype.kind
         if kind == "f":
@@ -295,7 +295,11 @@ class MPIBackend:
                 np.multiply(res, res.dtype.type(factor), out=dst)
                 return
         elif op == _AVERAGE and n_contrib != 1 and kind != "b":
+            # toward zero: -75 / 2 -> -37, not -38 (found before ``res`` may be overwritten)
+            up = (res < 0) & (res % n_contrib != 0) if kind == "i" else None
             np.floor_divide(res, n_contrib, out=dst)
+            if up is not None and up.any():
+                dst += up
             if postscale != 1.0:
                 np.copyto(dst, dst * postscale, casting="unsafe")
             return

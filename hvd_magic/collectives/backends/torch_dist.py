@@ -200,7 +200,7 @@ class TorchBackend:
                 buf.mul_(f)
             return
         if op == ReduceOp.AVERAGE and n_contrib != 1:
-            buf.div_(n_contrib, rounding_mode="floor")
+            buf.div_(n_contrib, rounding_mode="trunc")     # (toward zero, as Horovod's)
         if postscale != 1.0:
             self._scale(buf, postscale)
 
