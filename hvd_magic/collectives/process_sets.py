@@ -56,6 +56,8 @@ class ProcessSet:
         """Number of ranks in the set (None until it is registered)."""
         if self.process_set_id is None:
             return None
+        if self.process_set_id == 0:
+            return _require().size
         return len(_ranks_of(self.process_set_id))
 
     def rank(self) -> Optional[int]:
@@ -63,6 +65,8 @@ class ProcessSet:
         Collectives still take global ranks (``root_rank``), as in Horovod."""
         if self.process_set_id is None:
             return None
+        if self.process_set_id == 0:
+            return _require().rank
         ranks = _ranks_of(self.process_set_id)
         me = _require().rank
         return ranks.index(me) if me in ranks else None

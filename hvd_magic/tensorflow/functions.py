@@ -293,7 +293,7 @@ def size_op(process_set_id: int = 0, name: Optional[str] = None) -> Any:
     ``size_op(odds.process_set_id)`` -> 1.
     """
     ps = _registered(process_set_id, "size_op")
-    return _int_op(C.size() if ps.process_set_id == 0 else ps.size(), name)
+    return _int_op(ps.size(), name)
 
 
 def process_set_included_op(process_set_id: int = 0, name: Optional[str] = None) -> Any:

@@ -41,11 +41,6 @@ def _tensor(x: Any, fn: str) -> torch.Tensor:
     return x
 
 
-def _rank(process_set: ProcessSet) -> int:
-    """This rank's index in ``process_set`` (where its rows sit in a gathered tensor)."""
-    return C.rank() if process_set.process_set_id == 0 else process_set.rank()
-
-
 def _tensors(xs: Any, fn: str) -> list:
     if not isinstance(xs, (list, tuple)):
         raise TypeError(f"hvd_magic.torch.{fn} takes a list of torch tensors, not {type(xs).__name__}")
@@ -103,7 +98,7 @@ class _Allgather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         g = C.allreduce(grad.contiguous(), op=Average, process_set=ctx.ps)
-        r = _rank(ctx.ps)
+        r = ctx.ps.rank()      # where this rank's rows sit in the gathered tensor
         start = sum(ctx.rows[:r])
         mine = g.narrow(0, start, ctx.rows[r])
         return (mine.reshape(()) if ctx.scalar else mine), None, None
@@ -120,7 +115,7 @@ class _GroupedAllgather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
         avg = C.grouped_allreduce([g.contiguous() for g in grads], op=Average, process_set=ctx.ps)
-        r = _rank(ctx.ps)
+        r = ctx.ps.rank()      # where this rank's rows sit in the gathered tensor
         mine = [g.narrow(0, sum(rows[:r]), rows[r]) for g, rows in zip(avg, ctx.rows)]
         return (None, None, *[m.reshape(()) if s else m for m, s in zip(mine, ctx.scalars)])
 
@@ -146,7 +141,7 @@ class _GroupedReducescatter(torch.autograd.Function):
 def _reducescatter_grad_scale(ctx: Any) -> float:
     """Horovod's factor on a reducescatter's allgathered gradient: the scale factors, times
     the number of ranks for Sum."""
-    n = C.size() if ctx.ps.process_set_id == 0 else ctx.ps.size()
+    n = ctx.ps.size()
     return float(ctx.prescale) * float(ctx.postscale) * (n if ctx.op == Sum else 1)
 
 
@@ -189,7 +184,7 @@ def _split_list(tensor: torch.Tensor, splits: Any, ps: ProcessSet) -> Any:
     received splits, needed by the gradient, come back either way)."""
     if splits is not None:
         return splits
-    n = C.size() if ps.process_set_id == 0 else ps.size()
+    n = ps.size()
     rows = int(tensor.shape[0]) if tensor.dim() else 0
     if tensor.dim() == 0 or rows % n:
         return None        # (the runtime raises its usual error)

@@ -59,5 +59,5 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str], op: Any,
                                 process_set=process_set)
     values = C.allgather_async(t._values().contiguous(), name=f"{base}.values",
                                process_set=process_set)
-    n = C.size() if process_set.process_set_id == 0 else process_set.size()
+    n = process_set.size()
     return SparseHandle(t.size(), indices, values, n if op == Average else 1)
