@@ -41,6 +41,7 @@ class Executor:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
+        self.set_id = set_id
         self.where = f" in process set {set_id}" if set_id else ""
         self.who = f"rank {self.rank if me < 0 else me}{self.where}"
         self.tag = f" (process set {set_id})" if set_id else ""
@@ -57,7 +58,7 @@ class Executor:
         if device == "cpu" and self.cpu_mpi:
             return self.mpi_backend
         if self._torch_backend is None:
-            if self.where:
+            if self.set_id:
                 raise HvdError("process sets other than the global one run on CPU tensors over "
                                "MPI only in hvd_magic; use hvd.global_process_set for "
                                f"{device} tensors")

@@ -34,7 +34,6 @@ def section(name):
     def deco(fn):
         global SECTION
         SECTION = name
-        if os.environ.get("COLL_TRACE"): print(f"[{WR}] section {name}", flush=True)
         try:
             fn()
         except Exception:

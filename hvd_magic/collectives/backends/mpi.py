@@ -310,21 +310,21 @@ class MPIBackend:
             dst[...] = res
 
     # -------------------------------------------------------------- allgather
-    def allgather(self, req: Optional[Any], anns: dict, n_ranks: int) -> None:
+    def allgather(self, req: Any, anns: dict, n_ranks: int) -> None:
+        """(Every rank takes part: an allgather never runs while a rank has joined.)"""
         ann0 = next(iter(anns.values()))
         item = ops.np_dtype(ann0.dtype).itemsize
-        rows = [anns[r].shape[0] if r in anns and anns[r].shape else 0 for r in range(self.size)]
+        rows = [anns[r].shape[0] if anns[r].shape else 0 for r in range(self.size)]
         re = row_elems(ann0.shape) if ann0.shape else 1
         counts = [rw * re * item for rw in rows]
         recv = np.empty(sum(counts), dtype=np.uint8)
-        send = _bytes(req.src()) if req is not None else np.empty(0, np.uint8)
+        send = _bytes(req.src())
         t0 = now_us() if self.tl.active else 0.0
         self.comm.Allgatherv(send, [recv, counts, displacements(counts), MPI.BYTE])
         if self.tl.active:
             self.tl.add(ann0.name, f"{self.prefix}_ALLGATHER", t0, now_us() - t0, {"bytes": int(recv.nbytes)})
-        if req is not None:
-            shape = (sum(rows),) + tuple(ann0.shape[1:]) if ann0.shape else (sum(rows),)
-            req.set_array(recv.view(ops.np_dtype(ann0.dtype)).reshape(shape), ann0.dtype, rows=rows)
+        shape = (sum(rows),) + tuple(ann0.shape[1:]) if ann0.shape else (sum(rows),)
+        req.set_array(recv.view(ops.np_dtype(ann0.dtype)).reshape(shape), ann0.dtype, rows=rows)
 
     # -------------------------------------------------------------- broadcast
     def broadcast(self, req: Any, anns: dict) -> None:

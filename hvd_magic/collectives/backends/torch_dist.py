@@ -267,26 +267,26 @@ class TorchBackend:
                     self.tl.add(ann.name, MEMCPY_OUT, t2, t3 - t2)
 
     # -------------------------------------------------------------- allgather
-    def allgather(self, req: Optional[Any], anns: dict, n_ranks: int) -> None:
+    def allgather(self, req: Any, anns: dict, n_ranks: int) -> None:
+        """(Every rank takes part: an allgather never runs while a rank has joined.)"""
         torch, dist = self.torch, self.dist
         ann0 = next(iter(anns.values()))
         dev = torch.device("cuda", torch.cuda.current_device()) if ann0.device == "cuda" else torch.device("cpu")
         dt = torch.uint8 if ann0.dtype == "bool" else self._dtype(ann0.dtype)
         tail = tuple(ann0.shape[1:]) if ann0.shape else ()
-        rows = [anns[r].shape[0] if r in anns and anns[r].shape else 0 for r in range(self.size)]
+        rows = [anns[r].shape[0] if anns[r].shape else 0 for r in range(self.size)]
         most = max(rows)
         send = torch.zeros((most,) + tail, dtype=dt, device=dev)
-        if req is not None and rows[self.rank]:
+        if rows[self.rank]:
             send[:rows[self.rank]].copy_(self._tensor(req.tensor, ann0.dtype).reshape((rows[self.rank],) + tail).to(dt))
         recv = [torch.empty_like(send) for _ in range(self.size)]
         t0 = now_us() if self.tl.active else 0.0
         dist.all_gather(recv, send, group=self.group)
         if self.tl.active:
             self.tl.add(ann0.name, f"{self.prefix}_ALLGATHER", t0, now_us() - t0)
-        if req is not None:
-            out = torch.cat([recv[r][:rows[r]] for r in range(self.size)], dim=0).to(self._dtype(ann0.dtype))
-            req.handle.extra = rows
-            self._out(req, out)
+        out = torch.cat([recv[r][:rows[r]] for r in range(self.size)], dim=0).to(self._dtype(ann0.dtype))
+        req.handle.extra = rows
+        self._out(req, out)
 
     # -------------------------------------------------------------- broadcast
     def broadcast(self, req: Any, anns: dict) -> None:
