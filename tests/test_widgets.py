@@ -157,6 +157,15 @@ def test_cell_state_throughput_efficiency_comm_and_summary():
     assert "hvdm-eff" in H.metrics_html(c) and "90%" in H.metrics_html(c)
 
 
+def test_cell_state_rate_of_a_cell_shorter_than_one_batch():
+    # the training loop ran between two telemetry batches: only the final one carries samples,
+    # and the rate still runs from the first report() (its 10 samples excluded) to the last
+    c = M.CellState([0])
+    c.ingest(batch(0, 1, 2.5, samples=410, status="done", samples_first=[0.5, 10]))
+    c.finish()
+    assert c.total_rate() == pytest.approx(200.0)
+
+
 def test_cell_state_status_waiting_stalled_banner():
     c = M.CellState([0, 1], stall_after_s=5.0)
     c.ingest(batch(0, 1, 100.0))

@@ -22,7 +22,7 @@ from collections import deque
 from typing import Any, Optional
 
 from .. import config
-from ..collectives.progress import progress, reset_progress
+from ..collectives.progress import first_report, progress, reset_progress
 
 MAX_SPANS = config.get("HVD_MAGIC_TELEMETRY_MAX_SPANS")   # per batch; 0: all
 INTERVAL = config.get("HVD_MAGIC_TELEMETRY_INTERVAL")
@@ -168,6 +168,7 @@ class _Telemetry:
         samples, samples_t = progress()
         return {"rank": self.rank, "seq": self.seq, "t": now, "t0": self.t0,
                 "status": status, "error": error, "samples": samples, "samples_t": samples_t,
+                "samples_first": first_report(),
                 "spans": spans, "cut_us": cut, "busy_us": busy, "sampled_us": covered * 1e6,
                 "pending": pending, "stall_s": self.stall_s}
 

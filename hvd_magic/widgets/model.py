@@ -339,6 +339,9 @@ class CellState:
         st.busy_window.append((now, st.busy_us, st.sampled_us))
         while len(st.busy_window) > 2 and st.busy_window[0][0] < now - self.window:
             st.busy_window.popleft()
+        if batch.get("samples_first") and self.tput[r].first is None:
+            t_first, n_first = batch["samples_first"]
+            self.tput[r].add(float(t_first), float(n_first))
         if batch.get("samples_t") is not None:
             self.tput[r].add(float(batch["samples_t"]), float(batch.get("samples", 0)))
         st.pending = list(batch.get("pending") or [])
