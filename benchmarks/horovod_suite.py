@@ -33,6 +33,7 @@ import ast
 import collections
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -65,7 +66,17 @@ SHIM = {
         sys.meta_path.insert(0, _Alias())
         ''',
     "horovod/common/__init__.py": "", "horovod/runner/__init__.py": "",
-    "horovod/runner/util/__init__.py": "",
+    "horovod/runner/util/__init__.py": "", "horovod/runner/common/__init__.py": "",
+    "horovod/runner/common/util/__init__.py": "",
+    "horovod/runner/common/util/env.py": '''
+        import os
+        def get_env_rank_and_size():
+            for r, s in (("HOROVOD_RANK", "HOROVOD_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+                         ("PMI_RANK", "PMI_SIZE")):
+                if r in os.environ and s in os.environ:
+                    return int(os.environ[r]), int(os.environ[s])
+            return 0, 1
+        ''',
     "horovod/common/util.py": '''
         def is_version_greater_equal_than(ver, target):
             from packaging import version
@@ -124,12 +135,27 @@ def write_shim(root: Path) -> None:
         (root / "mock.py").write_text("import sys, unittest.mock\nsys.modules[__name__] = unittest.mock\n")
 
 
+def expanded_names(fn: ast.AST) -> list[str]:
+    """The names ``@parameterized.expand([...])`` gives a method (``name_0``, ``name_1_<str>``,
+    as parameterized 0.9 does), or just its own name."""
+    for dec in getattr(fn, "decorator_list", []):
+        if isinstance(dec, ast.Call) and ast.unparse(dec.func).endswith("parameterized.expand") \
+                and dec.args and isinstance(dec.args[0], (ast.List, ast.Tuple)):
+            names = []
+            for i, case in enumerate(dec.args[0].elts):
+                first = case.elts[0] if isinstance(case, (ast.List, ast.Tuple)) and case.elts else case
+                tail = first.value if isinstance(first, ast.Constant) and isinstance(first.value, str) else None
+                names.append(f"{fn.name}_{i}" + (f"_{re.sub('[^a-zA-Z0-9_]+', '_', tail)}" if tail else ""))
+            return names
+    return [fn.name]
+
+
 def list_tests(path: Path) -> list[str]:
     """'Class::test_name' for each test method of each class in the file, in file order."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    return [f"{cls.name}::{fn.name}" for cls in tree.body if isinstance(cls, ast.ClassDef)
+    return [f"{cls.name}::{name}" for cls in tree.body if isinstance(cls, ast.ClassDef)
             for fn in cls.body if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
-            and fn.name.startswith("test")]
+            and fn.name.startswith("test") for name in expanded_names(fn)]
 
 
 def rank_outcome(records: list[dict]) -> tuple[str, str, float]:
