@@ -135,6 +135,18 @@ def write_shim(root: Path) -> None:
         (root / "mock.py").write_text("import sys, unittest.mock\nsys.modules[__name__] = unittest.mock\n")
 
 
+def shim_env(shim: Path, paths=()) -> dict:
+    """This process's environment for a launch: MPI as root on shared memory, one thread per
+    rank, and PYTHONPATH with the shim first, then ``paths``, then the caller's."""
+    env = dict(os.environ)
+    env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+                "OMPI_MCA_btl": "self,sm", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe",
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(shim), *map(str, paths),
+                                                            os.environ.get("PYTHONPATH")]))})
+    return env
+
+
 def expanded_names(fn: ast.AST) -> list[str]:
     """The names ``@parameterized.expand([...])`` gives a method (``name_0``, ``name_1_<str>``,
     as parameterized 0.9 does), or just its own name."""
@@ -250,13 +262,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="horovod_suite_") as tmp:
         shim, out = Path(tmp, "shim"), Path(tmp, "out")
         write_shim(shim), out.mkdir()
-        env = dict(os.environ)
-        env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-                    "OMPI_MCA_btl": "self,sm", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                    "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe", "HOROVOD_SUITE_OUT": str(out),
-                    "PYTHONPATH": os.pathsep.join(filter(None, [
-                        str(shim), str(test_file.parent), str(src / "test" / "utils"),
-                        os.environ.get("PYTHONPATH")]))})
+        env = shim_env(shim, [test_file.parent, src / "test" / "utils"])
+        env["HOROVOD_SUITE_OUT"] = str(out)
         results = []
         for i, test in enumerate(tests, 1):
             res = run_one(args, test_file, test, env, out)
