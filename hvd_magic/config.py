@@ -52,6 +52,22 @@ _VARS = [
     Var("HOROVOD_CPU_OPERATIONS", "choice", "mpi",
         "how CPU tensors are reduced: MPI (mpi4py), or torch.distributed with gloo (the "
         "code path CUDA tensors take with NCCL)", choices=("mpi", "gloo")),
+    Var("HOROVOD_AUTOTUNE", "bool", False,
+        "1: rank 0 tries fusion thresholds and cycle times during the first steps of "
+        "training, scored by measured throughput, then keeps the best; a knob set explicitly "
+        "stays fixed"),
+    Var("HOROVOD_AUTOTUNE_LOG", "str", "",
+        "CSV file rank 0 writes each autotune trial to, in Horovod's columns; the last row "
+        "is the setting chosen"),
+    Var("HOROVOD_AUTOTUNE_WARMUP_SAMPLES", "int", 3,
+        "autotune trials of the starting setting that are discarded before scoring"),
+    Var("HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE", "int", 10,
+        "steps (times a tensor is reduced) per autotune sample; a trial is the median of 5"),
+    Var("HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", "int", 20,
+        "most settings autotune tries (Horovod's name; the search here is a coordinate "
+        "search over fixed candidates, not Bayesian optimisation)"),
+    Var("HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", "float", 0.8,
+        "accepted for Horovod's scripts and ignored: no Gaussian process here"),
     # -- hvd_magic's runtime
     Var("HVD_MAGIC_ALLREDUCE_CHUNK_MB", "float", 1.0,
         "on one host, an allreduce bigger than this runs as MPI calls of this size; 0: one "
@@ -146,6 +162,11 @@ def get(name: str, environ: Optional[Mapping[str, str]] = None) -> Any:
     if raw.strip() == "":
         return var.default
     return _convert(var, raw)
+
+
+def is_set(name: str, environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether the declared variable ``name`` has a value (not unset, not empty)."""
+    return (os.environ if environ is None else environ).get(VARS[name].name, "").strip() != ""
 
 
 def markdown_table() -> str:

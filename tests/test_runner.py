@@ -67,6 +67,14 @@ def test_each_flag_sets_and_forwards_its_variable(impl, flag, value, var, expect
         assert argv[i - 1] == "-genv" and argv[i + 1] == expected
 
 
+def test_autotune_options_set_horovods_variables():
+    ns = cli.build_parser().parse_args(["-np", "2", "--autotune", "--autotune-log-file", "t.csv",
+                                        "--autotune-warmup-samples", "1", "python", "x.py"])
+    env = cli.to_launch_args(ns, cli.build_parser()).extra_env
+    assert env == {"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_LOG": "t.csv",
+                   "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "1"}
+
+
 def test_existing_horovod_env_is_forwarded():
     argv, _ = plan(env={**BASE_ENV, "HOROVOD_CPU_OPERATIONS": "mpi", "HVD_MAGIC_X": "1"})
     assert "HOROVOD_CPU_OPERATIONS" in argv and "HVD_MAGIC_X" in argv

@@ -166,6 +166,18 @@ def test_cell_state_rate_of_a_cell_shorter_than_one_batch():
     assert c.total_rate() == pytest.approx(200.0)
 
 
+def test_autotune_setting_in_the_summary_and_panel():
+    c = M.CellState([0, 1])
+    tune = {"active": True, "trial": 3, "fusion_mb": 8.0, "cycle_ms": 2.5}
+    c.ingest(batch(1, 1, 1.0, autotune=dict(tune, trial=2)))
+    c.ingest(batch(0, 1, 1.0, autotune=tune))          # rank 0 decides: its word holds
+    assert "autotune: trying fusion threshold 8 MiB, cycle time 2.5 ms (trial 3)" in c.summary_text()
+    c.ingest(batch(0, 2, 2.0, status="done", autotune=dict(tune, active=False, trial=11)))
+    text = "autotune: settled on fusion threshold 8 MiB, cycle time 2.5 ms after 11 trials"
+    assert text in c.summary_text() and text in H.metrics_html(c)
+    assert "autotune" not in M.CellState([0]).summary_text()
+
+
 def test_cell_state_status_waiting_stalled_banner():
     c = M.CellState([0, 1], stall_after_s=5.0)
     c.ingest(batch(0, 1, 100.0))

@@ -3,10 +3,10 @@ torch tensors. ``import hvd_magic.collectives as hvd``; the framework faces
 (``hvd_magic.torch``, ...) build on it.
 """
 from .api import (allgather, allgather_async, allgather_object, allreduce, allreduce_,
-                  allreduce_async, allreduce_async_, alltoall, alltoall_async, barrier,
-                  broadcast, broadcast_, broadcast_async, broadcast_async_, broadcast_object,
-                  join, pending, poll, reducescatter, reducescatter_async, start_timeline,
-                  stop_timeline, subscribe, synchronize)
+                  allreduce_async, allreduce_async_, alltoall, alltoall_async, autotune_status,
+                  barrier, broadcast, broadcast_, broadcast_async, broadcast_async_,
+                  broadcast_object, join, pending, poll, reducescatter, reducescatter_async,
+                  start_timeline, stop_timeline, subscribe, synchronize)
 from .grouped import (grouped_allgather, grouped_allgather_async, grouped_allreduce,
                       grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_,
                       grouped_reducescatter, grouped_reducescatter_async)

@@ -397,6 +397,12 @@ def pending() -> list:
     return engine().pending()
 
 
+def autotune_status() -> Optional[dict]:
+    """With ``HOROVOD_AUTOTUNE=1``, the setting in effect on this rank: ``{"active": True
+    while trying, "trial": n, "fusion_mb": ..., "cycle_ms": ...}``; None without autotune."""
+    return engine().tune_status
+
+
 def subscribe(callback: Any) -> Any:
     """Call ``callback(events)`` on this rank's engine thread with each batch of timeline
     events ``(rank, tensor, phase, start_us, dur_us, args)``; returns an unsubscribe function."""

@@ -19,6 +19,12 @@ class Config:
     cpu_operations: str = "mpi"
     timeline: str = ""
     timeline_mark_cycles: bool = False
+    autotune: bool = False
+    autotune_log: str = ""
+    autotune_warmups: int = 3
+    autotune_steps_per_sample: int = 10
+    autotune_max_trials: int = 20
+    autotune_fixed: tuple = ()            # knobs set explicitly: "fusion", "cycle"
 
     @classmethod
     def from_env(cls) -> "Config":
@@ -37,4 +43,12 @@ class Config:
             # (Horovod's DYNAMIC: no file now; hvd.start_timeline may start one later)
             timeline="" if env.get("HOROVOD_TIMELINE") == "DYNAMIC" else env.get("HOROVOD_TIMELINE"),
             timeline_mark_cycles=env.get("HOROVOD_TIMELINE_MARK_CYCLES"),
+            autotune=env.get("HOROVOD_AUTOTUNE"),
+            autotune_log=env.get("HOROVOD_AUTOTUNE_LOG"),
+            autotune_warmups=env.get("HOROVOD_AUTOTUNE_WARMUP_SAMPLES"),
+            autotune_steps_per_sample=env.get("HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE"),
+            autotune_max_trials=env.get("HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES"),
+            autotune_fixed=tuple(k for k, name in (("fusion", "HOROVOD_FUSION_THRESHOLD"),
+                                                   ("cycle", "HOROVOD_CYCLE_TIME"))
+                                 if env.is_set(name)),
         )

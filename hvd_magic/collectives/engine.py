@@ -26,6 +26,7 @@ from _thread import allocate_lock as _allocate_lock
 from collections import deque
 
 from .. import config as env
+from . import autotune
 from .codec import AnnCodec, CycleCache
 from .config import Config
 from .errors import HvdError, ShutdownError
@@ -103,6 +104,8 @@ class Engine:
         self.mpi_backend = self.executor.mpi_backend
         # CPU tensors this big are reduced alone, never fused (plan_fusion)
         self._alone = config.allreduce_chunk if config.cpu_operations == "mpi" else 0
+        self.tuner, self.tune_status = autotune.for_engine(config, self.rank, set_id)
+        self._tune_out: tuple = ()     # rank 0: a setting for the next message
         self.thread = threading.Thread(target=self._main, name=f"hvd_magic-engine-{self.me}{'-set-%d' % set_id if set_id else ''}",
                                        daemon=True)
         self.thread.start()
@@ -291,7 +294,8 @@ class Engine:
         shut, self._shutdown_announce = self._shutdown_announce, False
         self._sent = anns = [r.ann for r in new]
         # (tuple.__new__: the namedtuple constructor's argument handling costs ~0.3 us)
-        return _tuple_new(RankMsg, (self.codec.encode(anns), cancels, join, shut, self._events()))
+        tune, self._tune_out = self._tune_out, ()
+        return _tuple_new(RankMsg, (self.codec.encode(anns), cancels, join, shut, self._events(), tune))
 
     def _loop(self) -> None:
         lock = self._cycle_lock
@@ -352,6 +356,8 @@ class Engine:
         if hit is not None:
             responses, plan = hit[0], hit[1]
         else:
+            if msgs[0].tune:
+                self._retune(msgs[0].tune, now)
             with self._table_lock:
                 keep = key is not None and not self.neg.busy
                 responses = self.neg.step(msgs, now)
@@ -370,6 +376,10 @@ class Engine:
         news = hit is not None or any(m.anns or m.cancels or m.join or m.shutdown for m in msgs)
         self._empty_streak = 0 if (news or responses) else self._empty_streak + 1
         stop = self._execute(responses, now, plan)
+        if self.tuner is not None and self.tuner.active and not stop:
+            setting = self.tuner.observe(autotune.carried(responses), time.monotonic())
+            if setting is not None:
+                self._tune_out = autotune.message(setting, self.tuner)
         if self.tl.active:
             self.tl.publish()
         now = time.monotonic()
@@ -415,10 +425,10 @@ class Engine:
         decode = self.codec.decode
         self.codec.begin()
         for r, buf in enumerate(wire):
-            anns, cancels, join, shut, events = marshal.loads(buf)
-            if key is not None and not CycleCache.cacheable(RankMsg(anns, cancels, join, shut, events)):
+            anns, cancels, join, shut, events, tune = marshal.loads(buf)
+            if key is not None and not CycleCache.cacheable(RankMsg(anns, cancels, join, shut, events, tune)):
                 key = None            # another rank's message cannot be kept
-            out.append(RankMsg(decode(r, anns), cancels, join, shut, events))
+            out.append(RankMsg(decode(r, anns), cancels, join, shut, events, tune))
         if self.codec.resets != self._codec_resets:
             # a table started again: the same index bytes may now mean other requests
             self._codec_resets = self.codec.resets
@@ -433,6 +443,13 @@ class Engine:
     def _someone_waits(self) -> bool:
         """A user thread is blocked on a result (then polling may spin)."""
         return self.waiters > 0
+
+    def _retune(self, msg: tuple, now: float) -> None:
+        """Rank 0's autotune setting: every rank applies it in the same cycle."""
+        self.tune_status = autotune.apply(msg, self.cfg)
+        self.cycle_cache.clear()            # its fusion plans were made for the old threshold
+        if self.tuner is not None:
+            self.tuner.applied(now)
 
     # ------------------------------------------------------------------ execution
     def _take(self, name: str) -> Optional[LocalReq]:

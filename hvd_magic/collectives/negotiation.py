@@ -55,6 +55,7 @@ class RankMsg(NamedTuple):
     join: bool = False              # this rank called join()
     shutdown: bool = False          # this rank called shutdown()
     events: tuple = ()              # timeline events for rank 0's file
+    tune: tuple = ()                # rank 0: an autotune setting every rank applies now
 
 
 @dataclass(slots=True)

@@ -157,20 +157,22 @@ class _Telemetry:
         else:
             self.since = now if self.unsub is not None else None
         pending: list = []
-        if status == "running":
-            try:
-                import hvd_magic.collectives as hvd
-                if hvd.is_initialized():
+        tune = None
+        try:
+            import hvd_magic.collectives as hvd
+            if hvd.is_initialized():
+                tune = hvd.autotune_status()
+                if status == "running":
                     pending = [p for p in hvd.pending() if (p.get("waiting_s") or 0) >= 0.5]
-            except Exception:  # noqa: BLE001
-                pass
+        except Exception:  # noqa: BLE001
+            pass
         self.seq += 1
         samples, samples_t = progress()
         return {"rank": self.rank, "seq": self.seq, "t": now, "t0": self.t0,
                 "status": status, "error": error, "samples": samples, "samples_t": samples_t,
                 "samples_first": first_report(),
                 "spans": spans, "cut_us": cut, "busy_us": busy, "sampled_us": covered * 1e6,
-                "pending": pending, "stall_s": self.stall_s}
+                "pending": pending, "stall_s": self.stall_s, "autotune": tune}
 
     def _adapt(self, n_events: int, covered: float) -> None:
         """Sample the timeline when it is busy: a cell whose events would fill more than twice

@@ -8,7 +8,7 @@ import sys
 from typing import List, Optional, TextIO
 
 from .launch import MpiNotFoundError, detect_mpi, execute, find_mpiexec, prepare
-from .plan import LaunchArgs, parse_hostfile, parse_hosts, validate
+from .plan import LaunchArgs, autotune_env, parse_hostfile, parse_hosts, validate
 
 DESCRIPTION = """\
 Run COMMAND on N ranks with mpiexec (Open MPI 5 or MPICH), Horovod-style.
@@ -82,6 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tensor fusion buffer in MiB (HOROVOD_FUSION_THRESHOLD, bytes)")
     p.add_argument("--cycle-time-ms", type=_nonneg(float, "ms"), metavar="T",
                    help="engine cycle time in ms (HOROVOD_CYCLE_TIME)")
+    p.add_argument("--autotune", action="store_true",
+                   help="tune the fusion threshold and cycle time while training (HOROVOD_AUTOTUNE)")
+    p.add_argument("--autotune-log-file", metavar="F",
+                   help="CSV of every autotune trial, by rank 0 (HOROVOD_AUTOTUNE_LOG)")
+    for flag, kind in (("warmup-samples", int), ("steps-per-sample", int),
+                       ("bayes-opt-max-samples", int), ("gaussian-process-noise", float)):
+        p.add_argument(f"--autotune-{flag}", type=_nonneg(kind, "N"), metavar="N",
+                       help=f"(HOROVOD_AUTOTUNE_{flag.upper().replace('-', '_')})")
     p.add_argument("--stall-check-seconds", type=_nonneg(float, "s"), metavar="S",
                    help="warn about stalled collectives after S s "
                         "(HOROVOD_STALL_CHECK_TIME_SECONDS)")
@@ -130,7 +138,7 @@ def to_launch_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> L
                           cache_capacity=ns.cache_capacity,
                           output_filename=ns.output_filename,
                           network_interface=ns.network_interface, verbose=ns.verbose,
-                          oversubscribe=ns.oversubscribe)
+                          oversubscribe=ns.oversubscribe, extra_env=autotune_env(vars(ns)))
         validate(args)
     except ValueError as exc:
         parser.error(str(exc))

@@ -166,6 +166,26 @@ def horovod_env(args: LaunchArgs) -> Dict[str, str]:
     return env
 
 
+#: hvdrun's autotune options (horovodrun's names) and the variables they set
+AUTOTUNE_OPTIONS = {"autotune": "HOROVOD_AUTOTUNE", "autotune_log_file": "HOROVOD_AUTOTUNE_LOG",
+                    "autotune_warmup_samples": "HOROVOD_AUTOTUNE_WARMUP_SAMPLES",
+                    "autotune_steps_per_sample": "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE",
+                    "autotune_bayes_opt_max_samples": "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES",
+                    "autotune_gaussian_process_noise": "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE"}
+
+
+def autotune_env(options: Dict[str, object]) -> Dict[str, str]:
+    """The HOROVOD_AUTOTUNE* variables of the autotune options given (None / False: not given)."""
+    env = {}
+    for opt, var in AUTOTUNE_OPTIONS.items():
+        value = options.get(opt)
+        if value is True:
+            env[var] = "1"
+        elif value not in (None, False):
+            env[var] = f"{value:g}" if isinstance(value, float) else str(value)
+    return env
+
+
 def interface_names(spec: str) -> List[str]:
     """The interface names in a ``--network-interface`` value: it may also name subnets
     (``10.0.0.0/24``) or addresses, which Open MPI takes but NCCL and Gloo do not."""

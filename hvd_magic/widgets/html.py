@@ -6,8 +6,8 @@ import html
 from typing import Mapping, Optional, Sequence
 
 from ..kernel.spans import Span
-from .model import (COMPUTE, GROUP_COLOR, STATUS_COLOR, STATUS_TEXT, CellState, fmt_pct,
-                    fmt_rate, phase_group)
+from .model import (COMPUTE, GROUP_COLOR, STATUS_COLOR, STATUS_TEXT, CellState, autotune_text,
+                    fmt_pct, fmt_rate, phase_group)
 
 
 def timeline_svg(spans: Mapping[int, Sequence[Span]], width: int = 900, row: int = 22,
@@ -56,13 +56,15 @@ def metrics_html(cell: CellState) -> str:
     base = (f"{fmt_pct(eff)} <span style='color:#888'>(vs 1 rank: {fmt_rate(cell.single_rate)}"
             " samples/s)</span>" if eff is not None else
             "<span style='color:#888'>no 1-rank baseline (run with -np 1 or %hvd scale)</span>")
+    tune = autotune_text(cell.autotune)
+    tune = f"<div class='hvdm-autotune'>{html.escape(tune)}</div>" if tune else ""
     rows = "".join(f"<td style='padding:0 10px'>rank {r}: {fmt_rate(rates[r])} samples/s, "
                    f"comm {fmt_pct(comm[r])}</td>" for r in cell.ranks)
     return ("<div class='hvdm-metrics' style='font-size:13px'>"
             f"<b>throughput</b> <span class='hvdm-total'>{fmt_rate(cell.total_rate())}</span> "
             f"samples/s &nbsp; <b>scaling efficiency</b> <span class='hvdm-eff'>{base}</span> "
             f"&nbsp; <b>communication</b> <span class='hvdm-comm'>{fmt_pct(cell.comm_mean())}"
-            "</span> of step time<table><tr>" + rows + "</tr></table></div>")
+            "</span> of step time<table><tr>" + rows + "</tr></table>" + tune + "</div>")
 
 
 def banner_html(cell: CellState) -> str:

@@ -233,6 +233,16 @@ class Throughput:
         return (self.last[1] - self.first[1]) / (self.last[0] - self.first[0])
 
 
+def autotune_text(status: Optional[Mapping[str, Any]]) -> str:
+    """HOROVOD_AUTOTUNE's state in words ("" without autotune)."""
+    if not status:
+        return ""
+    setting = f"fusion threshold {status['fusion_mb']:g} MiB, cycle time {status['cycle_ms']:g} ms"
+    if status.get("active"):
+        return f"autotune: trying {setting} (trial {status.get('trial')})"
+    return f"autotune: settled on {setting} after {status.get('trial')} trials"
+
+
 def efficiency(total_rate: Optional[float], n_ranks: int, single_rate: Optional[float]) -> Optional[float]:
     """Scaling efficiency: total samples/s over ``n_ranks`` times the 1-rank samples/s."""
     if not total_rate or not single_rate or n_ranks < 1 or single_rate <= 0:
@@ -296,6 +306,7 @@ class CellState:
         self.notes: List[str] = []         # pool status lines ("starting 2 ranks ...")
         self.stall_lines: List[str] = []   # stall warnings the runtime printed
         self.failures: Dict[int, str] = {}
+        self.autotune: Optional[Dict[str, Any]] = None   # HOROVOD_AUTOTUNE's setting, from rank 0
         self.finished = False
         self.t_start = time.time()
 
@@ -345,6 +356,8 @@ class CellState:
         if batch.get("samples_t") is not None:
             self.tput[r].add(float(batch["samples_t"]), float(batch.get("samples", 0)))
         st.pending = list(batch.get("pending") or [])
+        if batch.get("autotune") and (r == 0 or self.autotune is None):
+            self.autotune = dict(batch["autotune"])
         status = batch.get("status")
         if status == FAILED:
             st.status, st.why = FAILED, str(batch.get("error") or "")
@@ -462,6 +475,9 @@ class CellState:
         if any(v is not None for v in comm.values()):
             per = ", ".join(f"rank {r} {fmt_pct(comm[r])}" for r in self.ranks)
             lines.append(f"hvd: collectives in flight {fmt_pct(self.comm_mean())} of the time ({per})")
+        tune = autotune_text(self.autotune)
+        if tune:
+            lines.append(f"hvd: {tune}")
         n = sum(self.track.counts.values())
         if n:
             lines.append(f"hvd: timeline: {n} spans; hvd_magic.widgets.save_trace('trace.json') "
