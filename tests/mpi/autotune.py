@@ -19,7 +19,15 @@ fails = []
 shapes = [(64,), (300,), (17, 5), (1000,), (8,), (256, 4)] * 4      # 24 small tensors a step
 step = 0
 deadline = time.monotonic() + 90
-while hvd.autotune_status()["active"] and time.monotonic() < deadline:
+
+def tuning():
+    """Whether any rank still tunes (ranks apply a setting in the same cycle, but one may
+    look between steps before and another after it): the loop ends on every rank at once."""
+    active = np.array([float(hvd.autotune_status()["active"])])
+    return hvd.allreduce(active, name="tuning", op=hvd.Max)[0] > 0
+
+
+while tuning() and time.monotonic() < deadline:
     handles = [hvd.allreduce_async(np.full(s, rank + i + step, np.float32), name=f"g{i}",
                                    op=hvd.Sum) for i, s in enumerate(shapes)]
     for i, (h, s) in enumerate(zip(handles, shapes)):
