@@ -15,8 +15,11 @@ the cycle time matter.
    setting's figure is its median over the rounds.
 
 Each setting is a fresh ``hvd.init()`` in the same processes (shutdown, new variables, init).
-Reported: the chosen setting, its grid throughput / the grid's best (target >= 0.95), and the
-throughput measured right after tuning / the grid's best.
+3. *Final*: the chosen setting and the grid's best, measured again alternately, 5 rounds: the
+   grid's best is the largest of 36 noisy medians and flatters itself.
+
+Reported: the chosen setting; the grid; the final ratio chosen / grid best (target >= 0.95);
+for information, the same ratio within the grid and the rate right after tuning.
 """
 from __future__ import annotations
 
@@ -88,16 +91,32 @@ def autotuned(steps: int):
     return chosen, rate, n, took
 
 
+def measure(setting: tuple, steps: int) -> float:
+    f, c = setting
+    model, opt = session({"HOROVOD_FUSION_THRESHOLD": str(int(f * 2**20)),
+                          "HOROVOD_CYCLE_TIME": f"{c:g}"})
+    train(model, opt, 10)
+    rate = train(model, opt, steps)
+    hvd.shutdown()
+    return rate
+
+
 def grid(steps: int, rounds: int) -> dict:
     rates: dict = {(f, c): [] for f in FUSION_MB for c in CYCLE_MS}
     for _ in range(rounds):
-        for f, c in rates:
-            model, opt = session({"HOROVOD_FUSION_THRESHOLD": str(int(f * 2**20)),
-                                  "HOROVOD_CYCLE_TIME": f"{c:g}"})
-            train(model, opt, 10)
-            rates[(f, c)].append(train(model, opt, steps))
-            hvd.shutdown()
+        for setting in rates:
+            rates[setting].append(measure(setting, steps))
     return {k: statistics.median(v) for k, v in rates.items()}
+
+
+def final(chosen: tuple, best: tuple, steps: int, rounds: int) -> float:
+    """The grid's best is the largest of 36 noisy medians, so it flatters itself: measure it
+    again against the chosen setting, alternately; the ratio of the two medians."""
+    a, b = [], []
+    for _ in range(rounds):
+        a.append(measure(chosen, steps))
+        b.append(measure(best, steps))
+    return statistics.median(a) / statistics.median(b)
 
 
 def main() -> int:
@@ -109,10 +128,11 @@ def main() -> int:
     os.environ["HVD_MAGIC_BUCKET_BYTES"] = "0"
     chosen, tuned_rate, tune_steps, tune_s = autotuned(args.steps)
     rates = grid(args.steps, args.rounds)
-    if MPI.COMM_WORLD.Get_rank() != 0:
-        return 0
     best = max(rates, key=rates.get)
     key = (chosen["fusion_mb"], chosen["cycle_ms"])
+    again = final(key, best, args.steps, 5)
+    if MPI.COMM_WORLD.Get_rank() != 0:
+        return 0
     print(f"autotune: settled after {chosen['trial']} trials, {tune_steps} steps, {tune_s:.1f} s "
           f"on fusion {key[0]:g} MiB, cycle {key[1]:g} ms")
     print("grid (samples/s, median of rounds), rows fusion MiB, columns cycle ms:")
@@ -120,9 +140,9 @@ def main() -> int:
     for f in FUSION_MB:
         print(f"{f:>12g} " + "".join(f"{rates[(f, c)]:>9.0f}" for c in CYCLE_MS))
     print(f"grid best: fusion {best[0]:g} MiB, cycle {best[1]:g} ms: {rates[best]:.0f} samples/s")
-    ratio = rates[key] / rates[best]
-    print(f"  {'PASS' if ratio >= 0.95 else 'MISS'}  chosen setting in the grid / grid best "
-          f"{ratio:.3f} (target >= 0.95)")
+    print(f"  info  chosen setting in the grid / grid best {rates[key] / rates[best]:.3f}")
+    print(f"  {'PASS' if again >= 0.95 else 'MISS'}  chosen / grid best, measured again "
+          f"side by side (5 rounds, medians) {again:.3f} (target >= 0.95)")
     print(f"  info  right after tuning / grid best {tuned_rate / rates[best]:.3f}")
     return 0
 
