@@ -106,6 +106,15 @@ def test_torch_checks_under_mpi(np_):
     assert proc.stdout.count("done, 0 failures") == np_, proc.stdout + proc.stderr
 
 
+@pytest.mark.parametrize("np_", [2, 3])
+def test_sparse_gradients_and_fresh_optimizer_state_under_mpi(np_):
+    """Sparse embedding gradients stay sparse (allgathered, or densified with
+    sparse_as_dense) and match single-process training; broadcast_optimizer_state before
+    the first step leaves parameters alone and zero grads (tests/mpi/torch_sparse_checks.py)."""
+    proc = mpirun("torch_sparse_checks.py", np_, timeout=120)
+    assert proc.stdout.count("done, 0 failures") == np_, proc.stdout + proc.stderr
+
+
 def test_digits_script_trains(tmp_path):
     proc = mpirun("torch_digits.py", 2, str(tmp_path), timeout=120)
     acc = float(re.search(r"accuracy ([0-9.]+)", proc.stdout).group(1))

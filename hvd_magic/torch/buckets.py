@@ -29,9 +29,12 @@ every rank whose model has the same parameters.
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Optional, Sequence
 
 import torch
+
+import hvd_magic.collectives as C
 
 DEFAULT_BUCKET_BYTES = (1 << 20, 4 << 20)
 
@@ -202,3 +205,30 @@ def make_buckets(params: list, names: dict, groups: Any, caps: tuple) -> list:
                     k += 1
                 out.append(Bucket(len(out), sub, name))
     return out
+
+
+def check_same_layout(buckets: list, process_set: Any) -> None:
+    """Every rank must cut its gradients into the same buckets (same names, shapes, dtypes);
+    otherwise the ranks would submit differently named requests and stall. One small
+    allgather at construction turns that into a clear error on every rank."""
+    layout = [(b.name, [(tuple(p.shape), str(p.dtype)) for p in b.params]) for b in buckets]
+    digest = hashlib.sha1(repr(layout).encode()).hexdigest()
+    everyone = C.allgather_object((digest, layout), name="DistributedOptimizer.layout",
+                                  process_set=process_set)
+    if len({d for d, _ in everyone}) == 1:
+        return
+    ref = everyone[0][1]
+    differ = [r for r, (_, lay) in enumerate(everyone) if lay != ref]
+    first = next(((i, [lay[i] if i < len(lay) else None for _, lay in everyone])
+                  for i in range(max(len(lay) for _, lay in everyone))
+                  if len({repr(lay[i]) if i < len(lay) else "-" for _, lay in everyone}) > 1), None)
+    detail = ""
+    if first is not None:
+        i, per_rank = first
+        detail = "; first difference, bucket %d: %s" % (i, "; ".join(
+            f"rank {r}: {v[0] if v else 'none'} {[sh for sh, _ in v[1]] if v else ''}"
+            for r, v in enumerate(per_rank)))
+    raise C.TensorMismatchError(
+        "DistributedOptimizer: the ranks' models differ (parameter shapes or dtypes), so their "
+        f"gradients cannot be averaged; rank(s) {differ} differ from rank 0{detail}. Build the "
+        "same model on every rank (and hvd.broadcast_parameters from rank 0).")

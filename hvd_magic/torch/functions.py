@@ -47,12 +47,25 @@ def _describe(value: Any) -> Any:
     return ("value", value)
 
 
+def _zero_missing_grads(optimizer: torch.optim.Optimizer) -> None:
+    """Horovod initializes a new optimizer's state with a step on zero gradients, which
+    leaves every parameter with a zero ``grad``; here the grads are set, without the step."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+                if isinstance(optimizer, torch.optim.SparseAdam):
+                    p.grad = p.grad.to_sparse()
+
+
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
     """Give every rank ``root_rank``'s optimizer state: hyper-parameters of each param group
     (lr, momentum, betas, ...) and per-parameter state (momentum buffers, step counts).
 
     Works before the first step too: when the root has no state yet, every rank drops its
-    state, so all start fresh alike (parameters are never changed). Example, 2 ranks::
+    state, so all start fresh alike. Parameters are never changed; on a rank whose optimizer
+    has no state yet, parameters that require a gradient and have none get a zero gradient
+    (sparse for SparseAdam), as Horovod's leaves them. Example, 2 ranks::
 
         rank 0: lr=0.1,  state[p]['momentum_buffer'] = [1., 2.]  ->  unchanged
         rank 1: lr=0.05, state[p] = {}                           ->  lr=0.1, [1., 2.]
@@ -62,6 +75,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
                         f"not {type(optimizer).__name__}")
     root = C.api.check_root(root_rank)
     sd = optimizer.state_dict()
+    if not sd["state"]:
+        _zero_missing_grads(optimizer)
     me = C.rank()
     if me == root:
         meta = {"param_groups": sd["param_groups"],

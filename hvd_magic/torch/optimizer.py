@@ -24,8 +24,9 @@ import hvd_magic.collectives as C
 from hvd_magic.collectives import Adasum, Average, ProcessSet, Sum, global_process_set
 from hvd_magic.collectives.ops import to_op
 
-from .buckets import Bucket, bucket_caps, grad_views_enabled, make_buckets
+from .buckets import Bucket, bucket_caps, check_same_layout, grad_views_enabled, make_buckets
 from .compression import Compression, Compressor
+from .sparse import reduce_sparse_grad_async
 
 
 class _DistributedOptimizer:
@@ -60,11 +61,13 @@ class _DistributedOptimizer:
                                          bucket_caps() if n > 1 else (0, 0))
         self._hvd_bucket_of = {p: b for b in self._hvd_buckets for p in b.params}
         if n > 1:
-            _check_same_layout(self._hvd_buckets, process_set)
+            check_same_layout(self._hvd_buckets, process_set)
         self._hvd_delay = {p: backward_passes_per_step for p in self._hvd_requires}
         self._hvd_should_sync = True
         self._hvd_synchronized = False
         self._hvd_fired = 0              # hook calls since the last synchronize
+        self._hvd_sparse_dims: dict = {}  # param -> sparse_dim of its (sparse) gradients
+        self._hvd_side: dict = {}        # param -> finisher of its sparse reduction this step
         if n > 1:
             hook = _weak_hook(self)
             for p in self._hvd_requires:
@@ -88,11 +91,31 @@ class _DistributedOptimizer:
         self._hvd_fired += 1
         self._hvd_delay[p] -= 1
         if self._hvd_delay[p] == 0:
-            if b.flat is not None:
-                b.load(p, self._hvd_views)
-            b.pending -= 1
+            if self._hvd_is_sparse(p):
+                self._hvd_submit_sparse(p, b)
+            else:
+                if b.flat is not None:
+                    b.load(p, self._hvd_views)
+                b.pending -= 1
             if b.pending == 0:
                 self._hvd_submit(b)
+
+    def _hvd_is_sparse(self, p: torch.Tensor) -> bool:
+        return p in self._hvd_sparse_dims or (p.grad is not None and p.grad.is_sparse)
+
+    def _hvd_submit_sparse(self, p: torch.Tensor, b: Bucket) -> None:
+        """A sparse gradient is reduced on its own, as Horovod's (allgather of its entries, or
+        densified with sparse_as_dense); its slice of the bucket's buffer is sent as zeros."""
+        dims = self._hvd_sparse_dims.setdefault(p, p.grad.sparse_dim() if p.grad is not None else 1)
+        self._hvd_side[p] = reduce_sparse_grad_async(
+            p.grad, p, self._hvd_names[id(p)], self._hvd_op, dims, self._hvd_sparse_as_dense,
+            self._hvd_compression, self._hvd_ps, self._hvd_prescale, self._hvd_postscale)
+        self._hvd_delay[p] = 0
+        b.pending -= 1
+        if b.flat is None:
+            b.submitted = True           # (no bucket request: handle stays None)
+        else:
+            b.views[p].zero_()
 
     def _hvd_submit(self, b: Bucket) -> None:
         if b.submitted:
@@ -126,9 +149,20 @@ class _DistributedOptimizer:
             return
         try:
             for b in self._hvd_buckets:
+                if b.pending and not b.submitted:
+                    for p in b.params:
+                        if self._hvd_delay[p] > 0 and self._hvd_is_sparse(p):
+                            self._hvd_submit_sparse(p, b)
                 self._hvd_submit(b)
             err: Optional[BaseException] = None
+            for p, finish in self._hvd_side.items():
+                try:
+                    p.grad = finish()
+                except BaseException as exc:  # noqa: BLE001 - wait for the rest, then raise
+                    err = err or exc
             for b in self._hvd_buckets:
+                if b.handle is None:         # its one parameter's gradient is sparse
+                    continue
                 try:
                     out = b.handle.wait()
                 except BaseException as exc:  # noqa: BLE001 - wait for the rest, then raise
@@ -138,13 +172,15 @@ class _DistributedOptimizer:
                 if b.compressed is not target:
                     target.copy_(self._hvd_compression.decompress(out, b.ctx))
                 if b.flat is not None and not self._hvd_views:
-                    torch._foreach_copy_([p.grad for p in b.params], [b.views[p] for p in b.params])
+                    dense = [p for p in b.params if p not in self._hvd_side]
+                    torch._foreach_copy_([p.grad for p in dense], [b.views[p] for p in dense])
             if err is not None:
                 raise err
         finally:
             for b in self._hvd_buckets:
                 b.reset()
             self._hvd_fired = 0
+            self._hvd_side.clear()
             for p in self._hvd_requires:
                 self._hvd_delay[p] = self._hvd_passes
         self._hvd_synchronized = True
@@ -216,8 +252,8 @@ class _DistributedAdasumOptimizer:
                 old.remove()
                 p._hvd_magic_hook = None
         if self._hvd_n > 1:
-            _check_same_layout([Bucket(i, [p], names[id(p)]) for i, p in enumerate(self._hvd_requires)],
-                               process_set)
+            check_same_layout([Bucket(i, [p], names[id(p)]) for i, p in enumerate(self._hvd_requires)],
+                              process_set)
 
     def synchronize(self) -> None:
         """Nothing to do: with Adasum the parameters' changes are reduced inside ``step()``."""
@@ -367,32 +403,3 @@ def _set_size(process_set: ProcessSet) -> int:
     if process_set.process_set_id == 0:
         return C.size()
     return process_set.size() if process_set.included() else 1
-
-
-def _check_same_layout(buckets: list, process_set: ProcessSet = global_process_set) -> None:
-    """Every rank must cut its gradients into the same buckets (same names, shapes, dtypes);
-    otherwise the ranks would submit differently named requests and stall. One small
-    allgather at construction turns that into a clear error on every rank."""
-    import hashlib
-    layout = [(b.name, [(tuple(p.shape), str(p.dtype)) for p in b.params]) for b in buckets]
-    digest = hashlib.sha1(repr(layout).encode()).hexdigest()
-    everyone = C.allgather_object((digest, layout), name="DistributedOptimizer.layout",
-                                  process_set=process_set)
-    if len({d for d, _ in everyone}) == 1:
-        return
-    ref = everyone[0][1]
-    differ = [r for r, (_, lay) in enumerate(everyone) if lay != ref]
-    first = next(((i, [lay[i] if i < len(lay) else None for _, lay in everyone])
-                  for i in range(max(len(lay) for _, lay in everyone))
-                  if len({repr(lay[i]) if i < len(lay) else "-" for _, lay in everyone}) > 1), None)
-    detail = ""
-    if first is not None:
-        i, per_rank = first
-        detail = "; first difference, bucket %d: %s" % (i, "; ".join(
-            f"rank {r}: {v[0] if v else 'none'} {[sh for sh, _ in v[1]] if v else ''}"
-            for r, v in enumerate(per_rank)))
-    from hvd_magic.collectives import TensorMismatchError
-    raise TensorMismatchError(
-        "DistributedOptimizer: the ranks' models differ (parameter shapes or dtypes), so their "
-        f"gradients cannot be averaged; rank(s) {differ} differ from rank 0{detail}. Build the "
-        "same model on every rank (and hvd.broadcast_parameters from rank 0).")

@@ -61,3 +61,33 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str], op: Any,
                                process_set=process_set)
     n = process_set.size()
     return SparseHandle(t.size(), indices, values, n if op == Average else 1)
+
+
+def reduce_sparse_grad_async(grad: Optional[torch.Tensor], param: torch.Tensor, name: str, op: Any,
+                             sparse_dim: int, as_dense: bool, compression: Any,
+                             process_set: ProcessSet, prescale_factor: float = 1.0,
+                             postscale_factor: float = 1.0) -> Any:
+    """Start reducing one parameter's sparse gradient on its own, outside the gradient buckets,
+    as Horovod's ``DistributedOptimizer`` does: by :func:`sparse_allreduce_async` (allgather
+    of the entries), or with ``as_dense`` (``sparse_as_dense=True``) by a dense allreduce
+    (with the scale factors, as in Horovod) whose result is made sparse again. ``grad=None``
+    (parameter unused on this rank this step) sends no entries. Returns a function that
+    waits and gives the reduced sparse gradient.
+    Example, 2 ranks, op=Average, an embedding of 3 rows of width 1::
+
+        rank 0: grad = sparse rows {0: [2.]}   ->  rows {0: [1.], 2: [2.]}
+        rank 1: grad = sparse rows {2: [4.]}   ->  rows {0: [1.], 2: [2.]}
+    """
+    if grad is None:
+        grad = torch.sparse_coo_tensor(
+            torch.zeros((sparse_dim, 0), dtype=torch.long, device=param.device),
+            torch.zeros((0, *param.shape[sparse_dim:]), dtype=param.dtype, device=param.device),
+            param.shape, check_invariants=False)
+    elif not grad.is_sparse:
+        grad = grad.to_sparse(sparse_dim)
+    if not as_dense:
+        return sparse_allreduce_async(grad, name=name, op=op, process_set=process_set).wait
+    sent, ctx = compression.compress(grad.to_dense())
+    handle = C.allreduce_async_(sent, name=name, op=op, prescale_factor=prescale_factor,
+                                postscale_factor=postscale_factor, process_set=process_set)
+    return lambda: compression.decompress(handle.wait(), ctx).to_sparse(sparse_dim)
