@@ -24,7 +24,8 @@ allgather_object allreduce grouped_allreduce allgather broadcast alltoall reduce
 broadcast_variables DistributedGradientTape Compression Average Sum Adasum Min Max Product
 HorovodInternalError ProcessSet global_process_set add_process_set remove_process_set""".split()
 HOROVOD_TF_ONLY = """grouped_allgather grouped_reducescatter broadcast_ broadcast_object_fn size_op
-process_set_included_op local_size_op rank_op local_rank_op SyncBatchNormalization""".split()
+process_set_included_op local_size_op rank_op local_rank_op SyncBatchNormalization
+LocalGradientAggregationHelper""".split()
 
 # horovod.tensorflow 0.28's parameters, in order (hvd_magic may add parameters after them)
 HOROVOD_TF_SIGNATURES = {
@@ -52,7 +53,8 @@ HOROVOD_TF_SIGNATURES = {
 
 def test_public_names():
     assert not [n for n in HOROVOD_TF_NAMES + HOROVOD_TF_ONLY if not hasattr(hvd, n)]
-    assert not [n for n in HOROVOD_TF_NAMES + ["DistributedOptimizer", "load_model", "callbacks"]
+    assert not [n for n in HOROVOD_TF_NAMES + ["DistributedOptimizer", "PartialDistributedOptimizer",
+                                               "load_model", "callbacks"]
                 if n != "DistributedGradientTape" and not hasattr(hk, n)]
     assert hk.ProcessSet is hvd.ProcessSet and hk.global_process_set is hvd.global_process_set
     # names Horovod does not have, added here by mistake once
@@ -253,6 +255,17 @@ def test_under_mpi(np_, tmp_path):
     """Collectives eager and in tf.function, gradients, tape == whole-batch gradients, fit ==
     single-process SGD, callbacks, mismatch errors, checkpoint/load_model (see tf_checks.py)."""
     proc = mpirun("tf_checks.py", np_, str(tmp_path), env=TF_ENV, timeout=180)
+    assert proc.stdout.count("done, 0 failures") == np_, proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("np_", [2, 3])
+def test_keras_horovod_entry_points_under_mpi(np_):
+    """compute_gradients/_compute_gradients + apply_gradients, register_local_var, gradient
+    aggregation (counter, iterations, sum/average, eager and tf.function),
+    PartialDistributedOptimizer, BroadcastGlobalVariablesCallback(local_variables=...),
+    from_config (see tf_keras_horovod.py)."""
+    proc = mpirun("tf_keras_horovod.py", np_, env=TF_ENV, timeout=180)
     assert proc.stdout.count("done, 0 failures") == np_, proc.stdout
 
 

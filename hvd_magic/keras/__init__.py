@@ -36,7 +36,8 @@ from hvd_magic.tensorflow import (Adasum, Average, Compression, Compressor,  # n
                                   start_timeline, stop_timeline)
 
 from . import callbacks  # noqa: E402
-from .optimizer import DistributedOptimizer, is_distributed  # noqa: E402
+from .optimizer import (DistributedOptimizer, PartialDistributedOptimizer,  # noqa: E402
+                        is_distributed)
 
 
 def broadcast_global_variables(root_rank: int = 0, model: Any = None) -> None:

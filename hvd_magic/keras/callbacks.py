@@ -19,6 +19,7 @@ import numpy as np
 import hvd_magic.collectives as C
 from hvd_magic.tensorflow._compat import import_keras, import_tf
 from hvd_magic.tensorflow.functions import broadcast_variables
+from hvd_magic.tensorflow.gradient_aggregation import var_key
 
 tf = import_tf()
 keras = import_keras()
@@ -27,14 +28,35 @@ keras = import_keras()
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     """At the start of training, overwrite every rank's model variables and optimizer
     variables with ``root_rank``'s, so that all ranks start identical (use it when the
-    model is initialized randomly or restored on one rank only)."""
+    model is initialized randomly or restored on one rank only). ``local_variables`` (a
+    variable or a list of them; more with ``register_local_var``) keep each rank's value.
 
-    def __init__(self, root_rank: int = 0, device: str = ""):
+    Example, 2 ranks, root_rank=0, w local::
+
+        rank 0: (v, w) = (1, 1) -> (1, 1)    rank 1: (v, w) = (2, 2) -> (1, 2)
+    """
+
+    def __init__(self, root_rank: int = 0, device: str = "", local_variables: Any = None):
         super().__init__()
         C.api.check_root(root_rank)
         self.root_rank = root_rank
+        self.device = device
         self.broadcast_done = False
         self._optimizer_done = False
+        self._local_vars: set = set()
+        if local_variables is None:
+            local_variables = []
+        elif _is_variable(local_variables):
+            local_variables = [local_variables]
+        if not all(_is_variable(v) for v in local_variables):
+            raise ValueError("local_variables must be a variable or a list of variables "
+                             "(tf.Variable or keras.Variable)")
+        for var in local_variables:
+            self.register_local_var(var)
+
+    def register_local_var(self, var: Any) -> None:
+        """Do not broadcast ``var``: it keeps this rank's value."""
+        self._local_vars.add(var_key(var))
 
     def _broadcast_optimizer(self) -> None:
         opt = getattr(self.model, "optimizer", None)
@@ -45,13 +67,18 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
         if self.broadcast_done:
             return
-        broadcast_variables(self.model.variables, self.root_rank)
+        broadcast_variables([v for v in self.model.variables if var_key(v) not in self._local_vars],
+                            self.root_rank)
         self._broadcast_optimizer()
         self.broadcast_done = True
 
     def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
         # an optimizer built lazily by the first step: its slots follow the root's
         self._broadcast_optimizer()
+
+
+def _is_variable(v: Any) -> bool:
+    return isinstance(v, (tf.Variable, keras.Variable))
 
 
 class MetricAverageCallback(keras.callbacks.Callback):

@@ -45,6 +45,7 @@ from .functions import (allgather_object, broadcast_, broadcast_object,  # noqa:
                         grouped_reducescatter, local_rank_op, local_size_op,
                         process_set_included_op, rank_op, size_op)
 from .gradient_tape import DistributedGradientTape  # noqa: E402
+from .gradient_aggregation import LocalGradientAggregationHelper  # noqa: E402
 from .mpi_ops import (allgather, allreduce, alltoall, barrier, broadcast,  # noqa: E402
                       grouped_allreduce, join, reducescatter)
 

@@ -253,7 +253,7 @@ def fit_pair(label, make_opt, epochs=2, bpps=1, average_aggregated=False):
     for i, (a, b) in enumerate(zip(model.get_weights(), ref.get_weights())):
         close(f"fit {label} weight {i}", a, b, 2e-5)
     same_everywhere(f"fit {label} weights", model.get_weights())
-    want_iters = epochs * STEPS // bpps
+    want_iters = epochs * STEPS        # as Horovod's: every pass counts, applied or not
     if int(opt.iterations.numpy()) != want_iters:
         FAILS.append(f"fit {label}: iterations {int(opt.iterations.numpy())} != {want_iters}")
     return model
