@@ -78,6 +78,12 @@ def test_signatures_match_horovod():
                             "num_groups", "groups", "process_set", "scale_local_gradients"]
     assert list(inspect.signature(hk.load_model).parameters) == ["filepath", "custom_optimizers",
                                                                  "custom_objects", "compression"]
+    # horovod.tensorflow.keras's own collectives: name second, any tensor-compatible value
+    keras_face = {"allreduce": "value name average prescale_factor postscale_factor op compression",
+                  "allgather": "value name", "broadcast": "value root_rank name",
+                  "reducescatter": "value name op"}
+    for name, want in keras_face.items():
+        assert list(inspect.signature(getattr(hk, name)).parameters) == want.split(), name
     for name, want in HOROVOD_TF_SIGNATURES.items():
         params = inspect.signature(getattr(hvd, name)).parameters
         assert list(params)[:len(want.split())] == want.split(), name
@@ -115,6 +121,8 @@ def test_single_process(one_rank):
               callbacks=[hk.callbacks.BroadcastGlobalVariablesCallback(0),
                          hk.callbacks.MetricAverageCallback()])
     assert int(opt.iterations.numpy()) == 1
+    assert hk.allreduce([1.0, 2.0], "one_rank").numpy().tolist() == [1.0, 2.0]
+    assert int(hk.broadcast(5, 0, "epoch")) == 5
 
 
 def test_argument_errors(one_rank):

@@ -18,26 +18,57 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from hvd_magic.tensorflow._compat import import_keras
+from hvd_magic.tensorflow._compat import import_keras, import_tf
 
 import_keras()   # ImportError with what to install / which backend to pick
+tf = import_tf()
 
+import hvd_magic.tensorflow as _tf_face  # noqa: E402
 from hvd_magic.tensorflow import (Adasum, Average, Compression, Compressor,  # noqa: E402
                                   HorovodInternalError, HvdError, Max, Min, ProcessSet, Product,
                                   ReduceOp, StallError, Sum, TensorMismatchError,
-                                  add_process_set, allgather, allgather_object, allreduce,
-                                  alltoall, barrier, broadcast, broadcast_object,
+                                  add_process_set, allgather_object,
+                                  alltoall, barrier, broadcast_object,
                                   broadcast_variables, ccl_built, cross_rank, cross_size,
                                   cuda_built, ddl_built, gloo_built, gloo_enabled,
                                   global_process_set, grouped_allreduce, init, is_homogeneous,
                                   is_initialized, join, local_rank, local_size, mpi_built,
                                   mpi_enabled, mpi_threads_supported, nccl_built, rank,
-                                  reducescatter, remove_process_set, rocm_built, shutdown, size,
+                                  remove_process_set, rocm_built, shutdown, size,
                                   start_timeline, stop_timeline)
 
 from . import callbacks  # noqa: E402
 from .optimizer import (DistributedOptimizer, PartialDistributedOptimizer,  # noqa: E402
                         is_distributed)
+
+
+def allreduce(value: Any, name: Optional[str] = None, average: Optional[bool] = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0, op: Any = None,
+              compression: type[Compressor] = Compression.none) -> Any:
+    """Reduce a tensor-compatible ``value`` (number, list, array, tensor) over all ranks
+    (Average unless ``op`` or ``average=False`` says otherwise): Horovod's Keras signature,
+    ``name`` second. Example, 2 ranks: rank 0: 1.0, rank 1: 3.0 -> 2.0 on both."""
+    return _tf_face.allreduce(tf.convert_to_tensor(value), average=average, compression=compression,
+                              op=op, prescale_factor=prescale_factor,
+                              postscale_factor=postscale_factor, name=name)
+
+
+def allgather(value: Any, name: Optional[str] = None) -> Any:
+    """Concatenate every rank's ``value`` along dimension 0. Example, 2 ranks: rank 0: [1],
+    rank 1: [2, 3] -> [1, 2, 3] on both."""
+    return _tf_face.allgather(tf.convert_to_tensor(value), name=name)
+
+
+def broadcast(value: Any, root_rank: int, name: Optional[str] = None) -> Any:
+    """``root_rank``'s ``value`` on every rank. Example, 2 ranks, root 0: rank 0: 5, rank 1: 7
+    -> 5 on both."""
+    return _tf_face.broadcast(tf.convert_to_tensor(value), root_rank, name=name)
+
+
+def reducescatter(value: Any, name: Optional[str] = None, op: Any = Average) -> Any:
+    """Reduce ``value`` over all ranks, each rank keeping its share of dimension 0. Example,
+    2 ranks, Average: rank 0: [1, 2], rank 1: [3, 4] -> rank 0: [2], rank 1: [3]."""
+    return _tf_face.reducescatter(tf.convert_to_tensor(value), op=op, name=name)
 
 
 def broadcast_global_variables(root_rank: int = 0, model: Any = None) -> None:
@@ -78,4 +109,4 @@ def load_model(filepath: Any, custom_optimizers: Optional[list] = None,
     return model
 
 
-__all__ = [n for n in dir() if not n.startswith("_") and n not in ("annotations", "Any", "Optional")]
+__all__ = [n for n in dir() if not n.startswith("_") and n not in ("annotations", "Any", "Optional", "tf")]

@@ -174,6 +174,15 @@ def _():
         FAILS.append("from_config lost the wrapper or its settings")
 
 
+@check("Keras-face collectives: Horovod's Keras signatures, plain values in")
+def _():
+    close("allreduce name second", hk.allreduce([R + 1.0], "v"), [MEAN])
+    close("allreduce average=False", hk.allreduce(R + 1.0, "s", False), N * MEAN)
+    close("allgather", hk.allgather([float(R)], "g"), [float(r) for r in range(N)])
+    close("broadcast int", hk.broadcast(R + 7, N - 1, "b"), N + 6)
+    close("reducescatter", hk.reducescatter([[R + 1.0]] * N, "rs"), [[MEAN]])
+
+
 hvd.barrier()
 for f in FAILS:
     print(f"[rank {R}] FAIL {f}", flush=True)
