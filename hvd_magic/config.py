@@ -72,6 +72,9 @@ _VARS = [
     Var("HVD_MAGIC_ALLREDUCE_CHUNK_MB", "float", 1.0,
         "on one host, an allreduce bigger than this runs as MPI calls of this size; 0: one "
         "call per buffer; rank 0's value holds"),
+    Var("HVD_MAGIC_ELASTIC_MIN_NP", "int", 1,
+        "hvd.elastic.run stops with an error when fewer ranks than this survive (hvdrun "
+        "--min-np sets it)"),
     Var("HVD_MAGIC_INLINE", "bool", True,
         "0: a waiting caller never runs the negotiation cycle itself; the background thread "
         "does all communication"),

@@ -75,6 +75,15 @@ def test_autotune_options_set_horovods_variables():
                    "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "1"}
 
 
+def test_min_np_turns_on_mpi_fault_tolerance():
+    argv, env = plan("openmpi", min_np=2)
+    assert argv[argv.index("--with-ft") + 1] == "ulfm" and env["HVD_MAGIC_ELASTIC_MIN_NP"] == "2"
+    with pytest.raises(ValueError, match="needs Open MPI 5's fault tolerance"):
+        plan("mpich", min_np=2)
+    with pytest.raises(ValueError, match="--min-np 5: must be between 1 and -np"):
+        plan("openmpi", min_np=5)
+
+
 def test_existing_horovod_env_is_forwarded():
     argv, _ = plan(env={**BASE_ENV, "HOROVOD_CPU_OPERATIONS": "mpi", "HVD_MAGIC_X": "1"})
     assert "HOROVOD_CPU_OPERATIONS" in argv and "HVD_MAGIC_X" in argv

@@ -177,11 +177,14 @@ def message(s: Setting, tuner: Tuner) -> tuple:
     return (s.fusion_mb, s.cycle_ms, tuner.active, trial)
 
 
-def apply(msg: tuple, cfg: Any) -> dict:
-    """Put a setting from rank 0's message into this rank's runtime settings; its status."""
+def apply(msg: tuple, cfg: Any, tuner: Optional[Tuner], now: float) -> dict:
+    """Put a setting from rank 0's message into this rank's runtime settings (and start rank
+    0's next trial); returns its status."""
     fusion_mb, cycle_ms, active, trial = msg
     cfg.fusion_threshold = int(round(fusion_mb * MB))
     cfg.cycle_time_s = cycle_ms / 1000.0
+    if tuner is not None:
+        tuner.applied(now)
     return {"active": bool(active), "trial": trial, "fusion_mb": fusion_mb, "cycle_ms": cycle_ms}
 
 

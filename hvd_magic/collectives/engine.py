@@ -1,17 +1,17 @@
 """The per-rank background thread that owns all communication.
 
-User threads call :meth:`Engine.submit`, which queues a request and returns a
-:class:`Handle`. The engine thread negotiates with the other ranks in cycles: one
-non-blocking allgather of what each rank has newly submitted. Every rank feeds the
-same messages to the same :class:`~.negotiation.Negotiator`, so all ranks decide the same
-ready requests in the same order, then carry them out (fused where possible).
+User threads call :meth:`Engine.submit`, which queues a request and returns a :class:`Handle`.
+The engine thread negotiates with the other ranks in cycles: one non-blocking allgather of what
+each rank has newly submitted. Every rank feeds the same messages to the same
+:class:`~.negotiation.Negotiator`, so all ranks decide the same ready requests in the same
+order, then carry them out (fused where possible).
 
 Costs when idle and when waiting:
 - with nothing pending anywhere the thread blocks on a condition variable (no CPU);
-- waiting for other ranks it polls the non-blocking allgather (:mod:`.waiting`: spinning
-  only while a user thread waits, else sleeping with exponential backoff);
-- when every rank has something pending but nothing new to say, cycles are spaced
-  out with the same backoff, so ranks that wait on each other do not spin.
+- waiting for other ranks it polls the non-blocking allgather (:mod:`.waiting`: spinning only
+  while a user thread waits, else sleeping with exponential backoff);
+- when every rank has something pending but nothing new to say, cycles are spaced out with
+  the same backoff, so ranks that wait on each other do not spin.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from .. import config as env
 from . import autotune
 from .codec import AnnCodec, CycleCache
 from .config import Config
-from .errors import HvdError, ShutdownError
+from .errors import HvdError, RankLostError, ShutdownError, rank_lost_error
 from .exchange import SLOT, SlotExchange
 from .execute import Executor
 from .fusion import plan_fusion
@@ -122,6 +122,8 @@ class Engine:
                post: Optional[Callable[[Any, Any], Any]] = None, urgent: bool = False) -> Handle:
         """Queue one request; ``urgent`` (the caller waits right away) skips the cycle time."""
         if self.dead is not None or self._stop_requested:
+            if isinstance(self.dead, RankLostError):
+                raise self.dead
             raise ShutdownError(f"the hvd_magic runtime on rank {self.me}{self.where} has stopped "
                                 f"({self.dead or 'shutdown() was called'}); call hvd.init() again")
         handle = Handle(ann.name, ann.kind, self, post)
@@ -217,11 +219,13 @@ class Engine:
         try:
             self._loop()
         except BaseException as exc:  # noqa: BLE001 - report anything, then fail pending work
-            self.dead = exc
-            import traceback
-            sys.stderr.write(f"[hvd_magic rank {self.me}{self.where}] engine thread failed:\n"
-                             + "".join(traceback.format_exception(exc)))
-            self._fail_all(HvdError(f"hvd_magic's engine thread on rank {self.me}{self.where} failed: {exc!r}"))
+            lost = rank_lost_error(exc, f"rank {self.me}{self.where}")   # (no traceback then)
+            self.dead = lost or exc
+            if lost is None:
+                import traceback
+                sys.stderr.write(f"[hvd_magic rank {self.me}{self.where}] engine thread failed:\n"
+                                 + "".join(traceback.format_exception(exc)))
+            self._fail_all(lost or HvdError(f"hvd_magic's engine thread on rank {self.me}{self.where} failed: {exc!r}"))
         finally:
             self._ended = True
             if self.dead is None:
@@ -356,8 +360,9 @@ class Engine:
         if hit is not None:
             responses, plan = hit[0], hit[1]
         else:
-            if msgs[0].tune:
-                self._retune(msgs[0].tune, now)
+            if msgs[0].tune:       # rank 0's autotune setting: every rank applies it now
+                self.tune_status = autotune.apply(msgs[0].tune, self.cfg, self.tuner, now)
+                self.cycle_cache.clear()    # (its fusion plans were for the old threshold)
             with self._table_lock:
                 keep = key is not None and not self.neg.busy
                 responses = self.neg.step(msgs, now)
@@ -443,13 +448,6 @@ class Engine:
     def _someone_waits(self) -> bool:
         """A user thread is blocked on a result (then polling may spin)."""
         return self.waiters > 0
-
-    def _retune(self, msg: tuple, now: float) -> None:
-        """Rank 0's autotune setting: every rank applies it in the same cycle."""
-        self.tune_status = autotune.apply(msg, self.cfg)
-        self.cycle_cache.clear()            # its fusion plans were made for the old threshold
-        if self.tuner is not None:
-            self.tuner.applied(now)
 
     # ------------------------------------------------------------------ execution
     def _take(self, name: str) -> Optional[LocalReq]:

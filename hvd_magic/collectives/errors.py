@@ -29,6 +29,24 @@ class ShutdownError(HvdError):
     """The runtime was shut down (on this or another rank) while work was pending."""
 
 
+class RankLostError(HvdError):
+    """A rank died (MPI's fault tolerance reported it): ``hvd.elastic.run`` starts again on the
+    survivors; outside it, the job cannot go on."""
+
+
+def rank_lost_error(exc: BaseException, who: str):
+    """The error for pending work when the engine thread failed with ``exc``: a
+    :class:`RankLostError` when MPI reported a failed process, else None."""
+    from mpi4py import MPI
+    if isinstance(exc, MPI.Exception):
+        codes = [getattr(MPI, n) for n in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING",
+                                           "ERR_REVOKED") if hasattr(MPI, n)]
+        if exc.Get_error_class() in codes:
+            return RankLostError(f"a rank was lost: the collectives of {who} failed "
+                                 f"({exc.Get_error_string()})")
+    return None
+
+
 class JoinedRankError(HvdError):
     """A collective that cannot run with joined ranks was submitted while some had joined."""
 

@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tensor fusion buffer in MiB (HOROVOD_FUSION_THRESHOLD, bytes)")
     p.add_argument("--cycle-time-ms", type=_nonneg(float, "ms"), metavar="T",
                    help="engine cycle time in ms (HOROVOD_CYCLE_TIME)")
+    p.add_argument("--min-np", type=_positive_int, metavar="N",
+                   help="elastic training (hvd.elastic.run): go on while at least N ranks are "
+                        "left (starts MPI with fault tolerance, ULFM)")
     p.add_argument("--autotune", action="store_true",
                    help="tune the fusion threshold and cycle time while training (HOROVOD_AUTOTUNE)")
     p.add_argument("--autotune-log-file", metavar="F",
@@ -135,7 +138,7 @@ def to_launch_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> L
                           fusion_threshold_mb=ns.fusion_threshold_mb,
                           cycle_time_ms=ns.cycle_time_ms,
                           stall_check_seconds=ns.stall_check_seconds,
-                          cache_capacity=ns.cache_capacity,
+                          cache_capacity=ns.cache_capacity, min_np=ns.min_np,
                           output_filename=ns.output_filename,
                           network_interface=ns.network_interface, verbose=ns.verbose,
                           oversubscribe=ns.oversubscribe, extra_env=autotune_env(vars(ns)))

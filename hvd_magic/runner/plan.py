@@ -61,6 +61,7 @@ class LaunchArgs:
     stall_check_seconds: Optional[float] = None
     cache_capacity: Optional[int] = None
     output_filename: Optional[str] = None
+    min_np: Optional[int] = None            # elastic: survive lost ranks down to this many
     network_interface: Optional[str] = None
     verbose: bool = False
     extra_env: Dict[str, str] = field(default_factory=dict)
@@ -159,6 +160,8 @@ def horovod_env(args: LaunchArgs) -> Dict[str, str]:
         env["HOROVOD_STALL_CHECK_TIME_SECONDS"] = f"{args.stall_check_seconds:g}"
     if args.cache_capacity is not None:
         env["HOROVOD_CACHE_CAPACITY"] = str(args.cache_capacity)
+    if args.min_np is not None:
+        env["HVD_MAGIC_ELASTIC_MIN_NP"] = str(args.min_np)
     names = interface_names(args.network_interface or "")
     if names:
         env["NCCL_SOCKET_IFNAME"] = ",".join(names)
@@ -213,6 +216,8 @@ def validate(args: LaunchArgs) -> None:
         value = getattr(args, name)
         if value is not None and (not isinstance(value, (int, float)) or value < 0):
             raise ValueError(f"--{name.replace('_', '-')} {value!r}: must be a number >= 0")
+    if args.min_np is not None and not 1 <= args.min_np <= args.np:
+        raise ValueError(f"--min-np {args.min_np}: must be between 1 and -np ({args.np})")
     cap = args.cache_capacity
     if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
         raise ValueError(f"--cache-capacity {cap!r}: must be a whole number >= 0 (0 turns the "
@@ -265,6 +270,8 @@ def plan_launch(args: LaunchArgs, env: Mapping[str, str], mpi_impl: str, *,
             # "slot:": fill each host's slots in order, then go round again; a bare
             # ":oversubscribe" puts every rank on the first host, even -np 2 on -H a:1,b:1
             out["PRTE_MCA_rmaps_default_mapping_policy"] = "slot:oversubscribe"
+        if args.min_np is not None:      # elastic: MPI's fault tolerance (ULFM) on
+            argv += ["--with-ft", "ulfm"]
         if args.hostfile:
             argv += ["--hostfile", args.hostfile]
         elif args.hosts:
@@ -280,6 +287,9 @@ def plan_launch(args: LaunchArgs, env: Mapping[str, str], mpi_impl: str, *,
         for name in forward:
             argv += ["-x", name]
     else:
+        if args.min_np is not None:
+            raise ValueError("--min-np (elastic training) needs Open MPI 5's fault tolerance "
+                             "(ULFM); this mpiexec is MPICH")
         if args.hostfile:
             argv += ["-f", args.hostfile]
         elif args.hosts:

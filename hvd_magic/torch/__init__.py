@@ -41,6 +41,7 @@ from .mpi_ops import (allgather, allgather_async, allreduce, allreduce_, allredu
 from .optimizer import DistributedOptimizer
 from hvd_magic.collectives import report  # live throughput for the %%hvd panel
 from .sync_batch_norm import SyncBatchNorm
+from . import elastic  # noqa: E402 - hvd.elastic.run, TorchState, ElasticSampler
 
 
 def ddl_built() -> bool:
