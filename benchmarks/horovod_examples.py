@@ -50,8 +50,8 @@ from horovod_suite import LOCK, shim_env, write_shim  # noqa: E402
 
 HVDRUN = str(Path(sys.executable).with_name("hvdrun"))
 MNIST_TRAIN, MNIST_TEST = 640, 160
-# script -> (group, args, end marker regex or None, reason it cannot run here or None);
-# @DATA@ and @WORK@ in args become the generated-data and working directories.
+# script [variant] -> (group, args, end marker regex or None, reason it cannot run here or
+# None); @DATA@ and @WORK@ in args become the generated-data and working directories.
 EXAMPLES = {
     "examples/pytorch/pytorch_mnist.py": (
         "pytorch", ["--epochs", "1", "--batch-size", "32", "--test-batch-size", "80",
@@ -64,11 +64,19 @@ EXAMPLES = {
                     "--log-dir", "@WORK@/logs", "--checkpoint-format", "@WORK@/checkpoint-{epoch}.pth.tar",
                     "--epochs", "1", "--batch-size", "2", "--val-batch-size", "2"],
         r"Validate Epoch  #1", None),
+    "examples/pytorch/pytorch_mnist.py [adasum, fp16]": (
+        "pytorch", ["--epochs", "1", "--batch-size", "32", "--test-batch-size", "80", "--use-adasum",
+                    "--fp16-allreduce", "--data-dir", "@DATA@/mnist"], r"Test set: Average loss", None),
+    "examples/pytorch/pytorch_imagenet_resnet50.py [2 batches per allreduce]": (
+        "pytorch", ["--train-dir", "@DATA@/imagenet/train", "--val-dir", "@DATA@/imagenet/val",
+                    "--log-dir", "@WORK@/logs", "--checkpoint-format", "@WORK@/checkpoint-{epoch}.pth.tar",
+                    "--epochs", "1", "--batch-size", "1", "--val-batch-size", "2",
+                    "--batches-per-allreduce", "2"], r"Validate Epoch  #1", None),
     "examples/pytorch/pytorch_lightning_mnist.py": (
         "pytorch", [], None,
         "needs PyTorch Lightning 1.x (Trainer(accelerator='horovod', gpus=...), "
-        "validation_epoch_end): Lightning 2 removed its Horovod strategy and those names, and "
-        "Lightning 1.x does not support the installed torch 2.13; not installed here"),
+        "validation_epoch_end): Lightning 2 removed its Horovod strategy and those names, so "
+        "the current pytorch-lightning cannot run it; Lightning 1.x is not installed here"),
     "examples/tensorflow2/tensorflow2_mnist.py": ("tensorflow2", [], None, None),
     "examples/tensorflow2/tensorflow2_keras_mnist.py": ("tensorflow2", [], None, None),
     "examples/tensorflow2/tensorflow2_synthetic_benchmark.py": (
@@ -309,7 +317,9 @@ def first_error(output: str) -> str:
     for i, line in enumerate(lines):
         if line.lstrip().startswith("Traceback"):
             for later in lines[i + 1:]:
-                if re.match(r"^\s*(\[\S+\]\s*)?[\w.]*(Error|Exception|Exit|Interrupt)\b", later):
+                # (TensorFlow's "TypeError: in user code:" is followed by the real one)
+                if re.match(r"^\s*(\[\S+\]\s*)?[\w.]*(Error|Exception|Exit|Interrupt)\b", later) \
+                        and not later.rstrip().endswith("in user code:"):
                     return later.strip()[:300]
     return lines[-1][:300] if lines else ""
 
@@ -326,11 +336,12 @@ def sweep(workdir: Path) -> None:
 
 def run_example(args, script: str, spec, shim: Path, data: Path, home: Path, tmp: Path) -> dict:
     group, script_args, marker, reason = spec
-    path = Path(args.horovod_src) / script
+    path = Path(args.horovod_src) / script.split(" [")[0]
     if reason or not path.is_file():
         return {"script": script, "outcome": "skipped", "seconds": 0.0,
                 "line": reason or f"{path} does not exist"}
-    work = tmp / "work" / path.stem
+    stem = re.sub(r"\W+", "_", Path(script).name).strip("_")
+    work = tmp / "work" / stem
     work.mkdir(parents=True)
     argv = [a.replace("@DATA@", str(data)).replace("@WORK@", str(work)) for a in script_args]
     cmd = ["flock", LOCK, "timeout", "--foreground", "-k", "10", str(args.timeout), HVDRUN,
@@ -348,7 +359,7 @@ def run_example(args, script: str, spec, shim: Path, data: Path, home: Path, tmp
         pass
     sweep(work)
     Path(tmp, "logs").mkdir(exist_ok=True)
-    Path(tmp, "logs", path.stem + ".log").write_text(output)
+    Path(tmp, "logs", stem + ".log").write_text(output)
     if proc.returncode in (124, 137):
         outcome, line = "hang", f"no end after {args.timeout} s: {first_error(output)}"
     elif proc.returncode != 0:
