@@ -19,6 +19,7 @@ effect: requests are named by ``name`` or by call order, never by TensorFlow nam
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -57,6 +58,9 @@ def _as_dtype(arr: Any, dtype: Any) -> np.ndarray:
     return a.astype(want)
 
 
+_LAST_HOST_OP: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # graph -> last op
+
+
 @_plain
 def host_call(fn: Callable[..., Sequence[Any]], inputs: Sequence[Any], touts: Sequence[Any],
               shapes: Sequence[Any], what: str) -> list:
@@ -74,10 +78,18 @@ def host_call(fn: Callable[..., Sequence[Any]], inputs: Sequence[Any], touts: Se
     def run(*arrays: Any) -> list:   # 0-d inputs arrive as numpy scalars
         return [_as_dtype(o, d) for o, d in zip(fn(*[np.asarray(a) for a in arrays]), touts)]
 
-    outs = tf.numpy_function(run, list(inputs), touts, stateful=True, name=f"hvd_{what}")
+    # A TF1-style session graph (not tf.function, whose stateful ops run in program order)
+    # runs independent ops in any order, which differs by rank: chain the collectives in the
+    # order they were built, the same on every rank.
+    graph = None if tf.inside_function() else tf.compat.v1.get_default_graph()
+    last = _LAST_HOST_OP.get(graph) if graph is not None else None
+    with tf.control_dependencies([last] if last is not None else []):
+        outs = tf.numpy_function(run, list(inputs), touts, stateful=True, name=f"hvd_{what}")
     if not isinstance(outs, (list, tuple)):
         outs = [outs]
     outs = list(outs)
+    if graph is not None and outs:
+        _LAST_HOST_OP[graph] = outs[0].op
     for o, s in zip(outs, shapes):
         if s is not None:
             o.set_shape(s)

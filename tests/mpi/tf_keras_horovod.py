@@ -2,7 +2,8 @@
 DistributedOptimizer.compute_gradients / _compute_gradients + apply_gradients (reduced once),
 register_local_var, gradient aggregation (LocalGradientAggregationHelper: counter, iterations,
 sum or average), PartialDistributedOptimizer in model.fit, BroadcastGlobalVariablesCallback
-with local_variables, from_config.
+with local_variables, from_config, the Keras-face collectives, and collectives in a TF1
+session graph (run in build order on every rank).
 
 Usage: mpiexec -n N python tf_keras_horovod.py
 Exits nonzero with one line per failed check, prefixed by the rank."""
@@ -181,6 +182,23 @@ def _():
     close("allgather", hk.allgather([float(R)], "g"), [float(r) for r in range(N)])
     close("broadcast int", hk.broadcast(R + 7, N - 1, "b"), N + 6)
     close("reducescatter", hk.reducescatter([[R + 1.0]] * N, "rs"), [[MEAN]])
+
+
+@check("TF1 session graph: unnamed collectives fetched together run in build order")
+def _():
+    graph = tf.Graph()
+    with graph.as_default():
+        dtypes = [tf.uint8, tf.int8, tf.int32, tf.int64, tf.float16, tf.float32, tf.float64]
+        outs = [hvd.allreduce(tf.ones([2 + i], dtype=d), op=hvd.Sum) for i, d in enumerate(dtypes)]
+        outs.append(hvd.allgather(tf.fill([1], float(R))))
+        outs.append(hvd.broadcast(tf.fill([3], float(R)), 0))
+        with tf.compat.v1.Session(graph=graph) as sess:
+            for _ in range(3):             # TF's executor picks a different order each run
+                got = sess.run(outs)
+    for i, d in enumerate(dtypes):
+        close(f"graph allreduce {d.name}", got[i], np.full(2 + i, N))
+    close("graph allgather", got[-2], np.arange(N))
+    close("graph broadcast", got[-1], np.zeros(3))
 
 
 hvd.barrier()
