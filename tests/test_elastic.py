@@ -33,6 +33,15 @@ def test_a_killed_rank_costs_one_rank_and_the_uncommitted_steps(np_):
     assert resumed - kill <= 10.0, out
 
 
+def test_two_losses_in_a_row_one_of_them_rank_0():
+    # rank 2 dies in epoch 0; in epoch 1, rank 0 (the root every sync broadcasts from) dies
+    proc = hvdrun(3, 1, "0:5:2,1:3:0")
+    out = proc.stdout + proc.stderr
+    assert proc.stdout.count("elastic OK") == 1, out
+    assert "lost rank(s) 2; continuing on 2 rank(s)" in out
+    assert "lost rank(s) 0; continuing on 1 rank(s)" in out
+
+
 def test_fewer_survivors_than_min_np_is_an_error_that_says_so():
     proc = hvdrun(2, 2)
     out = proc.stdout + proc.stderr

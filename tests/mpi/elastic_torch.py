@@ -4,7 +4,9 @@ one rank fewer and finish. Checked on rank 0 at the end: the epoch's samples wer
 trained exactly once in what was committed; the final weights equal one process replaying the
 same global batches; time from the kill to the first step after it.
 
-usage: elastic_torch.py   (prints 'elastic OK' on each surviving rank)"""
+usage: elastic_torch.py [E:B:R,...]   (prints 'elastic OK' on each surviving rank)
+  each E:B:R: at epoch E, after B committed-or-not steps, the rank then numbered R is killed;
+  default: 0:5:<last rank>"""
 import os
 import signal
 import sys
@@ -16,8 +18,9 @@ import hvd_magic.torch as hvd
 
 hvd.init()
 N, BATCH, EPOCHS, COMMIT_EVERY = 96, 4, 2, 2
-KILL_AT = (0, 5)                                   # (epoch, batch): on the last rank
 world = hvd.size()
+KILLS = [tuple(map(int, k.split(":"))) for k in
+         (sys.argv[1] if len(sys.argv) > 1 else f"0:5:{world - 1}").split(",")]
 g = torch.Generator().manual_seed(0)
 X, W_true = torch.randn(N, 8, generator=g), torch.randn(8, 1, generator=g)
 Y = X @ W_true
@@ -35,9 +38,10 @@ def train(state):
     while state.epoch < EPOCHS:
         idx = list(state.sampler)          # this rank's share of what the epoch has left
         for b in range(len(idx) // BATCH):
-            if (state.epoch, state.batch) == KILL_AT and hvd.rank() == world - 1 and hvd.size() == world:
-                print(f"KILL {time.time():.3f}", flush=True)
-                os.kill(os.getpid(), signal.SIGKILL)
+            for i, (e, b_kill, r) in enumerate(KILLS):   # the i-th kill, at size world - i
+                if (state.epoch, state.batch, hvd.rank(), hvd.size()) == (e, b_kill, r, world - i):
+                    print(f"KILL {time.time():.3f}", flush=True)
+                    os.kill(os.getpid(), signal.SIGKILL)
             if "lost" in marks and "resumed" not in marks:
                 marks["resumed"] = time.time()
             mine = idx[b * BATCH:(b + 1) * BATCH]
@@ -58,8 +62,8 @@ def train(state):
 state.register_reset_callbacks([lambda: marks.setdefault("lost", time.time())])
 train(state)
 fails = []
-if hvd.size() != world - 1:
-    fails.append(f"ended on {hvd.size()} ranks, not {world - 1}")
+if hvd.size() != world - len(KILLS):
+    fails.append(f"ended on {hvd.size()} ranks, not {world - len(KILLS)}")
 for e in range(EPOCHS):
     seen = sorted(i for ep, step in state.steps if ep == e for part in step for i in part)
     if seen != list(range(N)):
