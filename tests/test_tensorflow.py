@@ -125,6 +125,17 @@ def test_single_process(one_rank):
     assert int(hk.broadcast(5, 0, "epoch")) == 5
 
 
+def test_indexed_slices_refuses_other_ops_as_horovod(one_rank):
+    """Horovod raises NotImplementedError here; hvd_magic's error is also a ValueError."""
+    t = tf.IndexedSlices(tf.ones((1, 3)), tf.constant([0]))
+    for op in (hvd.Min, hvd.Max, hvd.Product, hvd.Adasum):
+        with pytest.raises(NotImplementedError, match="IndexedSlices"):
+            hvd.allreduce(t, op=op)
+    with pytest.raises(ValueError, match="postscale_factor"):
+        hvd.allreduce(t, postscale_factor=2.0)
+    assert hvd.allreduce(t).values.numpy().tolist() == [[1.0, 1.0, 1.0]]
+
+
 def test_argument_errors(one_rank):
     with pytest.raises(TypeError, match="keras.optimizers"):
         hk.DistributedOptimizer(object())

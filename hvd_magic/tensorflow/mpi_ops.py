@@ -142,14 +142,20 @@ def _allreduce(x: Any, name: Optional[str], op: Any, pre: float, post: float,
     return f(x)
 
 
+class SparseOpError(NotImplementedError, ValueError):
+    """An op or option tf.IndexedSlices cannot take: a ValueError, and the
+    NotImplementedError Horovod raises."""
+
+
 @_plain
 def _sparse_allreduce(s: Any, name: Optional[str], op: Any,
                       ps: ProcessSet = global_process_set) -> Any:
     """Horovod's allreduce of tf.IndexedSlices: allgather values and indices (Average divides
     the values by the number of ranks); duplicates are summed when the slices are applied."""
     if op not in (Average, Sum):
-        raise ValueError("allreduce of tf.IndexedSlices supports op=hvd.Average or hvd.Sum; "
-                         "densify with tf.convert_to_tensor first for other ops")
+        raise SparseOpError(f"allreduce of tf.IndexedSlices supports op=hvd.Average or hvd.Sum, not "
+                            f"{to_op(op).name}; densify with tf.convert_to_tensor first (for "
+                            "DistributedOptimizer/GradientTape: sparse_as_dense=True)")
     values = allgather(s.values, name=None if name is None else f"{name}.values", process_set=ps)
     indices = allgather(s.indices, name=None if name is None else f"{name}.indices", process_set=ps)
     if op == Average:
@@ -185,6 +191,9 @@ def allreduce(tensor: Any, average: Optional[bool] = None, device_dense: str = "
     tensor = _tensor(tensor, "allreduce")
     _place(process_set)
     if isinstance(tensor, tf.IndexedSlices):
+        if float(prescale_factor) != 1.0 or float(postscale_factor) != 1.0:
+            raise SparseOpError("allreduce of tf.IndexedSlices takes no prescale_factor/"
+                                "postscale_factor (as in Horovod); scale the values yourself")
         return _sparse_allreduce(tensor, name, op, process_set)
     compressed, ctx = compression.compress(tensor)
     out = _allreduce(compressed, name, op, float(prescale_factor), float(postscale_factor),
