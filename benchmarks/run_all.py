@@ -71,6 +71,9 @@ def benchmarks() -> list:
                   "a real kernel's and its ranks' memory after 50 and 1,000 live %%hvd cells"),
         Benchmark("keras_training", [PYTHON, str(HERE / "keras_training.py")], dict(MPI_ENV), 900.0,
                   "Keras CNN images/s at 1 and 2 ranks, hvd_magic.keras vs MultiWorkerMirroredStrategy"),
+        Benchmark("elastic", [mpiexec(), "--with-ft", "ulfm", "--oversubscribe", "-n", "3", PYTHON,
+                              str(ROOT / "benchmarks/elastic.py")], dict(MPI_ENV), 300.0,
+                  "elastic commit() of 25 M parameters vs a step and torch.save; kill-to-resume time"),
         Benchmark("autotune", mpi_job("benchmarks/autotune.py", 2), dict(MPI_ENV), 600.0,
                   "HOROVOD_AUTOTUNE's chosen setting vs the best of a 36-setting grid search, 2 ranks"),
     ]

@@ -133,6 +133,11 @@ class TorchState(ObjectState):
         super().save()
 
     def restore(self) -> None:
+        if hasattr(self.optimizer, "synchronize"):
+            try:   # ends the interrupted step: its requests failed; gradients are dropped
+                self.optimizer.synchronize()
+            except C.HvdError:
+                pass
         for k, v in self._objects().items():
             v.load_state_dict(copy.deepcopy(self._saved_dicts[k]))
         super().restore()
