@@ -54,3 +54,14 @@ def test_elastic_without_fault_tolerance_says_how_to_start_it():
     assert proc.returncode != 0
     assert "elastic training needs MPI fault tolerance (ULFM)" in proc.stderr
     assert "hvdrun --min-np N" in proc.stderr
+
+
+def test_keras_fit_with_the_elastic_callbacks_survives_a_killed_rank():
+    cmd = [HVDRUN, "-np", "3", "--min-np", "2", sys.executable,
+           str(HERE / "mpi" / "elastic_keras.py")]
+    proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.stdout.count("elastic keras OK") == 2, out
+    assert "elastic: lost rank(s) 2; continuing on 2 rank(s) from commit" in out
+    kill = float(re.search(r"KILL (\S+)", out).group(1))
+    assert float(re.search(r"RESUMED (\S+)", out).group(1)) - kill <= 10.0, out

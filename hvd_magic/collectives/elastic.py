@@ -134,6 +134,14 @@ class ObjectState(State):
             setattr(self, k, v)
 
 
+def _lost(exc: BaseException) -> bool:
+    """Whether ``exc`` came of a lost rank: a RankLostError, or anything a framework made of
+    one (TensorFlow re-raises errors of its host ops as its own) while the runtime died so."""
+    eng = _state.engine
+    return isinstance(exc, RankLostError) or (
+        eng is not None and isinstance(eng.dead, RankLostError))
+
+
 def run_fn(func: Callable, reset: Callable[[], tuple]) -> Callable:
     """Horovod's ``elastic.run`` around ``func(state, ...)``, with ``reset`` the face's way to
     start again on the survivors (:func:`shrink`, then its own set-up)."""
@@ -149,7 +157,9 @@ def run_fn(func: Callable, reset: Callable[[], tuple]) -> Callable:
                 if not skip_sync:
                     state.sync()
                 return func(state, *args, **kwargs)
-            except RankLostError:
+            except Exception as exc:  # noqa: BLE001 - a framework may wrap RankLostError
+                if not _lost(exc):
+                    raise
                 state.restore()
                 skip_sync = False
                 lost, n = reset()
