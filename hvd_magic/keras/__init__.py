@@ -37,7 +37,7 @@ from hvd_magic.tensorflow import (Adasum, Average, Compression, Compressor,  # n
                                   remove_process_set, rocm_built, shutdown, size,
                                   start_timeline, stop_timeline)
 
-from . import callbacks  # noqa: E402
+from . import callbacks, elastic  # noqa: E402
 from .optimizer import (DistributedOptimizer, PartialDistributedOptimizer,  # noqa: E402
                         is_distributed)
 

@@ -69,4 +69,6 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module 'hvd_magic.tensorflow' has no attribute {name!r}")
 
 
+from . import elastic  # noqa: E402 - hvd.elastic.run, TensorFlowKerasState
+
 __all__ = [n for n in dir() if not n.startswith("_") and n != "annotations"] + ["SyncBatchNormalization"]
