@@ -42,6 +42,13 @@ def test_two_losses_in_a_row_one_of_them_rank_0():
     assert "lost rank(s) 0; continuing on 1 rank(s)" in out
 
 
+def test_a_loss_before_the_first_commit_goes_back_to_the_start():
+    proc = hvdrun(3, 2, "0:1:2")
+    out = proc.stdout + proc.stderr
+    assert proc.stdout.count("elastic OK") == 2, out
+    assert "lost rank(s) 2; continuing on 2 rank(s) from commit 0" in out
+
+
 def test_fewer_survivors_than_min_np_is_an_error_that_says_so():
     proc = hvdrun(2, 2)
     out = proc.stdout + proc.stderr
