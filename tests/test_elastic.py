@@ -1,8 +1,10 @@
-"""hvd.elastic.run surviving a lost rank, for real: Horovod's names, a script under
-`hvdrun --min-np`, one rank SIGKILLed mid-epoch (tests/mpi/elastic_torch.py)."""
+"""hvd.elastic.run surviving a lost rank, for real: scripts under `hvdrun --min-np` (torch:
+tests/mpi/elastic_torch.py; Keras: tests/mpi/elastic_keras.py) and a `--min-np` pool, one rank
+SIGKILLed mid-training."""
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -72,3 +74,77 @@ def test_keras_fit_with_the_elastic_callbacks_survives_a_killed_rank():
     assert "elastic: lost rank(s) 2; continuing on 2 rank(s) from commit" in out
     kill = float(re.search(r"KILL (\S+)", out).group(1))
     assert float(re.search(r"RESUMED (\S+)", out).group(1)) - kill <= 10.0, out
+
+
+POOL_CELL = '''
+import os, signal, torch
+import hvd_magic.torch as hvd
+world = hvd.size()
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                               named_parameters=model.named_parameters())
+state = hvd.elastic.TorchState(model, opt, step=0)
+
+@hvd.elastic.run
+def train(state):
+    while state.step < 20:
+        if state.step == 7 and hvd.rank() == world - 1 and hvd.size() == world:
+            os.kill(os.getpid(), signal.SIGKILL)
+        opt.zero_grad()
+        model(torch.ones(2, 4) * (hvd.rank() + 1)).sum().backward()
+        opt.step()
+        state.step += 1
+        if state.step % 3 == 0:
+            state.commit()
+
+train(state)
+hvd.rank(), hvd.size(), state.step
+'''
+
+
+def test_an_elastic_pool_finishes_the_cell_on_the_survivors_and_keeps_them():
+    from hvd_magic.kernel import PoolManager, TextSink
+
+    class Sink(TextSink):
+        def __init__(self):
+            super().__init__()
+            self.lines = []
+
+        def status(self, text):
+            self.lines.append(text)
+
+    manager = PoolManager()
+    try:
+        pool = manager.ensure(3, None, None, TextSink(), min_np=2)
+        sink = Sink()
+        t0 = time.monotonic()
+        out = pool.run_cell(POOL_CELL, sink)
+        took = time.monotonic() - t0
+        assert [out.results[r]["text/plain"] for r in (0, 1)] == ["(0, 2, 20)", "(1, 2, 20)"]
+        assert any("rank 2" in s and "the pool goes on with 2 ranks, renumbered 0..1" in s
+                   for s in sink.lines), sink.lines
+        assert pool.size == 2 and pool.alive() and took < 30
+        # later cells and %hvd pull see the survivors, renumbered
+        assert pool.pull("world", ranks=[1]) == [3]
+        again = pool.run_cell("hvd.rank(), hvd.size(), float(model.weight.sum())", TextSink())
+        w0, w1 = (again.results[r]["text/plain"] for r in (0, 1))
+        assert w0.startswith("(0, 2, ") and w1.startswith("(1, 2, ") and w0[7:] == w1[7:]
+        # the same request reuses the elastic pool at its new size
+        assert manager.ensure(3, None, None, TextSink(), min_np=2) is pool
+    finally:
+        manager.stop()
+
+
+def test_an_elastic_pool_ends_as_before_when_the_cell_does_not_use_elastic_run():
+    from hvd_magic.kernel import PoolManager, RankDiedError, TextSink
+    manager = PoolManager()
+    try:
+        pool = manager.ensure(2, None, None, TextSink(), min_np=1)
+        with pytest.raises(RankDiedError) as info:
+            pool.run_cell("import os, signal, numpy as np\nimport hvd_magic.collectives as hvd\n"
+                          "if hvd.rank() == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+                          "hvd.allreduce(np.ones(3))", TextSink())
+        assert "rank 1" in str(info.value) and not pool.alive()
+    finally:
+        manager.stop()

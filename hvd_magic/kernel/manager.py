@@ -27,7 +27,8 @@ def _local_ip_towards(host: str) -> str:
 
 def make_config(np: int, hosts: Optional[List[Host]] = None, hostfile: Optional[str] = None,
                 env: Optional[Dict[str, str]] = None,
-                workdir: str = "/tmp/hvdm-plan", oversubscribe: bool = False) -> PoolConfig:
+                workdir: str = "/tmp/hvdm-plan", oversubscribe: bool = False,
+                min_np: Optional[int] = None) -> PoolConfig:
     """Gather the facts of this machine (mpiexec, MPI flavour, namespaces, addresses) into a
     :class:`PoolConfig`; raises ValueError/TypeError/RuntimeError for what cannot work."""
     from ..runner import launch
@@ -55,10 +56,10 @@ def make_config(np: int, hosts: Optional[List[Host]] = None, hostfile: Optional[
                       hostfile=hostfile, mpiexec=info.path, mpi_impl=info.impl,
                       mpi_version=info.version, netns=netns, ipc=os.name == "posix",
                       controller_ip=controller_ip, ports=ports, oversubscribe=oversub,
-                      local_names=names, env=dict(env or {}), environ=environ)
+                      local_names=names, env=dict(env or {}), environ=environ, min_np=min_np)
 
 
-Request = Tuple[int, Optional[List[Host]], Optional[str]]
+Request = Tuple[int, Optional[List[Host]], Optional[str], Optional[int]]
 
 
 class PoolManager:
@@ -86,18 +87,20 @@ class PoolManager:
         return value
 
     def ensure(self, np: Optional[int], hosts: Optional[List[Host]], hostfile: Optional[str],
-               sink: Optional[OutputSink], oversubscribe: bool = False) -> Pool:
+               sink: Optional[OutputSink], oversubscribe: bool = False,
+               min_np: Optional[int] = None) -> Pool:
         """A running pool for this request (planned and checked before anything starts);
-        ``oversubscribe`` allows more ranks than the hosts' slots or this machine's limit."""
+        ``oversubscribe`` allows more ranks than the hosts' slots or this machine's limit;
+        ``min_np``: an elastic pool (MPI fault tolerance), which survives lost ranks."""
         if np is None and hosts is None and hostfile is None and self.last is not None:
-            np, hosts, hostfile = self.last
+            np, hosts, hostfile, min_np = self.last
         np = self.default_np() if np is None else np
-        request: Request = (np, hosts, hostfile)
+        request: Request = (np, hosts, hostfile, min_np)
         old = self.pool
         if old is not None and old.alive() and request == self._running:
             return old                          # fast path: nothing to look up or plan
         config = self.config_factory(np, hosts=hosts, hostfile=hostfile,
-                                     oversubscribe=oversubscribe)
+                                     oversubscribe=oversubscribe, min_np=min_np)
         plan_pool(config)                       # bad requests fail here, before any process
         if old is not None:
             if old.alive() and old.config.key_fields() == config.key_fields():

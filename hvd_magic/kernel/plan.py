@@ -79,12 +79,13 @@ class PoolConfig:
     env: Dict[str, str] = field(default_factory=dict)   # extra variables for the engines
     environ: Dict[str, str] = field(default_factory=dict)  # the caller's environment
     heartbeat_ms: int = HEARTBEAT_MS
+    min_np: Optional[int] = None              # elastic: MPI fault tolerance, go on down to this
     cores: int = os.cpu_count() or 1          # this machine's (the one-machine size limit)
 
     def key_fields(self) -> Tuple:
         """What makes a running pool unsuitable for another request when it differs."""
         hosts = tuple((h.name, h.slots) for h in self.hosts or ())
-        return (self.np, hosts, self.hostfile, tuple(sorted(self.env.items())))
+        return (self.np, hosts, self.hostfile, tuple(sorted(self.env.items())), self.min_np)
 
 
 @dataclass
@@ -215,7 +216,7 @@ def plan_pool(config: PoolConfig) -> PoolPlan:
         engine_cmd.append("--IPEngine.enable_nanny=False")
     largs = LaunchArgs(np=config.np, command=engine_cmd, hosts=config.hosts,
                        hostfile=config.hostfile, extra_env=extra,
-                       oversubscribe=bool(oversub))
+                       oversubscribe=bool(oversub), min_np=config.min_np)
     argv, env = plan_launch(largs, config.environ, config.mpi_impl, mpiexec=config.mpiexec,
                             mpi_version=config.mpi_version, netns=config.netns and single,
                             local_names=config.local_names, python=py)

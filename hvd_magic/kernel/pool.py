@@ -25,6 +25,7 @@ from .cells import CellOutcome, Pump, clean_stale_dirs, engine_lost, ipyparallel
 from .output import OutputSink, PoolCellError, PoolCellInterrupted, PoolCellTimeout, PoolError, \
     RankDiedError, RankFailure, n_ranks, ranks_text
 from .plan import HEARTBEAT_MISSES, PoolConfig, PoolPlan, plan_pool
+from .settle import settle
 from .procs import descendants, describe_exit, end_job_first, parse_rank_exits, spawn, \
     stop_tree, tail
 
@@ -61,11 +62,12 @@ class Pool:
         self.pids: Dict[int, int] = {}          # rank -> engine pid
         self.hosts: Dict[int, str] = {}         # rank -> host name
         self._views: Dict[tuple, Any] = {}      # targets -> DirectView
+        self.engines: List[int] = list(range(config.np))   # rank -> engine id (elastic: shrinks)
         self.telemetry: Optional[float] = None  # the ranks' telemetry interval (None: off)
 
     @property
     def size(self) -> int:
-        return self.config.np
+        return len(self.engines)
 
     # ------------------------------------------------------------------ start / stop
     def start(self, sink: Optional[OutputSink] = None) -> "Pool":
@@ -160,7 +162,7 @@ class Pool:
             if proc is None or proc.poll() is not None:
                 self.ended = self._why_ended()
                 return False
-        return len(self.client.ids) >= self.config.np
+        return set(self.engines) <= set(self.client.ids)
 
     def _why_ended(self) -> str:
         """How the pool ended, in words: the ranks mpiexec reported, else the exit statuses."""
@@ -190,7 +192,7 @@ class Pool:
             ids = set(self.client.ids) if self.client is not None else set()
         except Exception:  # noqa: BLE001 - client closed
             ids = set()
-        return sorted(set(range(self.config.np)) - ids)
+        return [r for r, e in enumerate(self.engines) if e not in ids]
 
     def stop(self) -> None:
         """Stop everything this pool started (idempotent); no process is left behind."""
@@ -258,7 +260,7 @@ class Pool:
         if interval == self.telemetry:
             return
         from . import telemetry
-        view = self.client[list(range(self.size))]
+        view = self._view(list(range(self.size)))
         fn, args = (telemetry.disable, ()) if interval is None else (telemetry.enable, (interval,))
         self._ask(lambda: view.apply_async(fn, *args).get(SWITCH_TIMEOUT))
         self.telemetry = interval
@@ -287,12 +289,11 @@ class Pool:
         try:
             self._wait(ar, pump, poke, timeout)
         except KeyboardInterrupt:
-            note = self._settle_interrupt(ar, pump, targets, sink, "interrupted")
+            note = settle(self, ar, pump, targets, "interrupted")
             raise PoolCellInterrupted(note) from None
         except _Timeout:
             late = [r for i, r in enumerate(targets) if not rank_done(ar, i)]  # before settling
-            note = self._settle_interrupt(ar, pump, targets, sink,
-                                          f"ran past --timeout {timeout:g} s")
+            note = settle(self, ar, pump, targets, f"ran past --timeout {timeout:g} s")
             raise PoolCellTimeout([RankFailure(r, "timeout", "TimeoutError",
                                                f"cell ran past --timeout {timeout:g} s")
                                    for r in late], note) from None
@@ -308,7 +309,7 @@ class Pool:
         key = tuple(targets)
         view = self._views.get(key)
         if view is None:
-            view = self._views[key] = self.client[list(targets)]
+            view = self._views[key] = self.client[[self.engines[r] for r in targets]]
         return view
 
     def _wait(self, ar: Any, pump: "Pump", poke: "queue.SimpleQueue[int]",
@@ -323,9 +324,12 @@ class Pool:
             if self.mpiexec.poll() is not None or self.controller.poll() is not None:
                 ar.wait(0.1)          # results already on their way; the job is over
                 return
-            if self._unheard():
+            if self.elastic():
+                pass        # a lost rank: the others go on (hvd.elastic.run); ipyparallel
+                            # fails its task once the controller drops it
+            elif self._unheard():
                 return      # a rank went silent (see plan.HEARTBEAT_MISSES): _outcome ends it
-            if self._engine_lost(ar):
+            elif self._engine_lost(ar):
                 # one rank is gone: MPI ends the whole job; give mpiexec a moment to say
                 # which rank and how, then let _outcome stop the pool
                 try:
@@ -341,37 +345,6 @@ class Pool:
     def _engine_lost(ar: Any) -> bool:
         return any(engine_lost(md.get("error")) for md in ar.metadata)
 
-    def _settle_interrupt(self, ar: Any, pump: "Pump", targets: List[int],
-                          sink: OutputSink, why: str) -> str:
-        """Stop the cell on every busy rank (SIGINT through the nannies), then reset the
-        runtime on every rank; if a rank does not stop, stop the pool. Returns what happened."""
-        try:
-            t0 = time.monotonic()
-            busy = [r for i, r in enumerate(targets) if not rank_done(ar, i)]
-            if busy:
-                self.interrupt(busy)
-            while not ar.ready() and time.monotonic() - t0 < 2.5:
-                ar.wait(0.05)
-                pump.flush()
-                if time.monotonic() - t0 > 1.0 and busy:
-                    self.interrupt([r for i, r in enumerate(targets) if not rank_done(ar, i)])
-                    busy = []
-            if not ar.ready():
-                stuck = [r for i, r in enumerate(targets) if not rank_done(ar, i)]
-                self.ended = f"{ranks_text(stuck)} did not stop when interrupted"
-                self.stop()
-                return (f"{why}; {self.ended}, so the pool was stopped; the next %%hvd cell "
-                        "starts a new one")
-            stopped = time.monotonic() - t0
-            ar.wait_for_output(0.3)
-            pump.flush()
-            note = self.reset_runtime()
-            return f"{why}: stopped on {ranks_text(targets)} in {stopped:.2f} s; {note}"
-        except KeyboardInterrupt:     # interrupted again while settling: stop hard
-            self.ended = "interrupted twice"
-            self.stop()
-            return "interrupted again; the pool was stopped, the next %%hvd cell starts a new one"
-
     def interrupt(self, ranks: Optional[Sequence[int]] = None) -> None:
         """SIGINT to ``ranks`` (default all): KeyboardInterrupt in the running cell there (an
         idle engine ignores it). Local pools signal the engine pids, others go through
@@ -386,14 +359,15 @@ class Pool:
                     except OSError:
                         pass
         elif self.client is not None:
-            self.client.send_signal("SIGINT", targets=targets, block=False)
+            self.client.send_signal("SIGINT", targets=[self.engines[r] for r in targets],
+                                    block=False)
 
     def reset_runtime(self, timeout: float = 8.0) -> str:
         """``hvd.shutdown()`` + ``hvd.init()`` on every rank (drops requests an interrupt left in
         flight). Stops the pool if that fails; returns a sentence saying which happened."""
         from .engine_side import reset
         try:
-            ar = self.client[:].apply_async(reset, 5.0)
+            ar = self._view(list(range(self.size))).apply_async(reset, 5.0)
             replies = ar.get(timeout)
             bad = [r for r, rep in enumerate(replies) if rep != "ok"]
             if not bad:
@@ -427,11 +401,35 @@ class Pool:
                     out.results[r] = res.get("data", {})
                     sink.result(r, out.results[r])
                     out.counts[r] = res.get("execution_count", 0)
+        if died and self.elastic() and self._survive(failures, targets, sink):
+            return out
         if died or not self.alive():
             raise self._death(failures, targets)
         if failures:
             raise PoolCellError(failures)
         return out
+
+    def elastic(self) -> bool:
+        """Started with ``--min-np`` (MPI fault tolerance) and its MPI job still runs."""
+        return self.config.min_np is not None and self.mpiexec is not None \
+            and self.mpiexec.poll() is None
+
+    def _survive(self, failures: List[RankFailure], targets: List[int], sink: OutputSink) -> bool:
+        """An elastic pool's cell where ranks died and every other rank finished: the pool
+        goes on without them (renumbered as ``hvd.elastic.run`` renumbered them)."""
+        lost = [f.rank for f in failures if f.kind == "died"]
+        left = [r for r in range(self.size) if r not in lost]
+        if len(failures) != len(lost) or len(left) < max(1, self.config.min_np or 1):
+            return False
+        exits = {e.rank: e.how for e in parse_rank_exits(
+            tail(os.path.join(self.config.workdir, "mpiexec.log"), 20000))}
+        how = "; ".join(f"rank {r} {exits.get(self.engines[r], 'died')}" for r in lost)
+        self.pids = {i: self.pids[r] for i, r in enumerate(left) if r in self.pids}
+        self.hosts = {i: self.hosts[r] for i, r in enumerate(left) if r in self.hosts}
+        self.engines, self._views = [self.engines[r] for r in left], {}
+        sink.status(f"hvd: {how}; the pool goes on with {n_ranks(len(left))}, renumbered "
+                    f"0..{len(left) - 1}")
+        return True
 
     def _death(self, failures: List[RankFailure], targets: List[int]) -> RankDiedError:
         """Name the ranks that ended and how (from mpiexec's log), stop the pool."""
@@ -459,18 +457,18 @@ class Pool:
     # ------------------------------------------------------------------ data, status
     def push(self, names: Dict[str, Any], ranks: Optional[Sequence[int]] = None) -> None:
         """Copy variables from here into the ranks' namespaces."""
-        view = self.client[self.targets(ranks)]
+        view = self._view(self.targets(ranks))
         self._ask(lambda: view.push(names, block=True))
 
     def pull(self, name: str, ranks: Optional[Sequence[int]] = None) -> List[Any]:
         """The value of ``name`` on each of ``ranks`` (a list in rank order)."""
-        view = self.client[self.targets(ranks)]
+        view = self._view(self.targets(ranks))
         return list(self._ask(lambda: view.pull(name, block=True)))
 
     def result_values(self, ranks: Sequence[int]) -> List[Any]:
         """The values the last cell produced on ``ranks`` (``Out[n]`` there; None if none)."""
         from .engine_side import last_result
-        view = self.client[list(ranks)]
+        view = self._view(list(ranks))
         return list(self._ask(lambda: view.apply_sync(last_result)))
 
     def status(self, timeout: float = 2.0) -> Dict[str, Any]:
@@ -478,7 +476,7 @@ class Pool:
         from .engine_side import info
         ranks: Dict[int, Dict[str, Any]] = {r: {"state": "unknown"} for r in range(self.size)}
         if self.alive():
-            ar = self.client[:].apply_async(info)
+            ar = self._view(list(range(self.size))).apply_async(info)
             ar.wait(timeout)
             for i, r in enumerate(range(self.size)):
                 if rank_done(ar, i) and rank_futures(ar)[i].exception() is None:

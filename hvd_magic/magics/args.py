@@ -13,7 +13,7 @@ from typing import List, Optional
 from ..runner.plan import Host, parse_hosts
 
 CELL_USAGE = ("%%hvd [-np N] [-H host1:4,host2:4 | --hostfile FILE] [--oversubscribe] "
-              "[--ranks 0,2 | --rank 0] "
+              "[--min-np N] [--ranks 0,2 | --rank 0] "
               "[--timeout SECONDS] [--no-stream] [--out NAME]")
 LINE_USAGE = ("%hvd status | stop | restart | push NAME... [--ranks 0,2] | "
               "pull NAME [--rank R] | start [-np N] [-H HOSTS | --hostfile F]")
@@ -37,6 +37,7 @@ class CellRequest:
     stream: bool = True
     out: Optional[str] = None
     oversubscribe: bool = False
+    min_np: Optional[int] = None
 
 
 @dataclass
@@ -96,10 +97,13 @@ def _pool_options(p: argparse.ArgumentParser) -> None:
     hosts.add_argument("-H", "--hosts", dest="hosts", default=None)
     hosts.add_argument("--hostfile", dest="hostfile", default=None)
     p.add_argument("--oversubscribe", action="store_true", default=False)
+    p.add_argument("--min-np", dest="min_np", default=None)
 
 
 def _pool_fields(ns: argparse.Namespace, req: CellRequest) -> None:
     req.oversubscribe = ns.oversubscribe
+    if ns.min_np is not None:
+        req.min_np = _np(ns.min_np)
     if ns.np is not None:
         req.np = _np(ns.np)
     if ns.hosts is not None:

@@ -63,7 +63,7 @@ class HvdMagics(Magics):
                     return pool
             check_ranks(req, self.manager.default_np() if req.np is None else req.np)
             return self.manager.ensure(req.np, req.hosts, req.hostfile, sink,
-                                       oversubscribe=req.oversubscribe)
+                                       oversubscribe=req.oversubscribe, min_np=req.min_np)
         except (ValueError, TypeError, MpiNotFoundError) as exc:
             raise _usage(exc) from None
 
