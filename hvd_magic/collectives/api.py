@@ -15,6 +15,7 @@ from typing import Any, Optional
 import numpy as np
 
 from . import ops
+from .errors import OpNotSupportedError
 from .handles import GroupHandle, Handle
 from .ops import Average
 from .negotiation import Ann, allreduce_ann
@@ -279,7 +280,7 @@ def reducescatter_async(tensor: Any, name: Optional[str] = None, op: Any = Avera
         raise ValueError("reducescatter needs a tensor with at least one dimension")
     op = ops.to_op(op)
     if op == ops.Adasum:
-        raise ValueError("reducescatter does not take op=hvd.Adasum (Adasum is an allreduce); "
+        raise OpNotSupportedError("reducescatter does not take op=hvd.Adasum (Adasum is an allreduce); "
                          "use hvd.Average or hvd.Sum")
     ops.check_op_dtype(op, dtype)
     eng = engine_of(process_set)

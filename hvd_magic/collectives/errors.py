@@ -29,6 +29,11 @@ class ShutdownError(HvdError):
     """The runtime was shut down (on this or another rank) while work was pending."""
 
 
+class OpNotSupportedError(ValueError, RuntimeError):
+    """An op the collective does not take (reducescatter with Adasum): a ValueError by the
+    house rule for argument errors, and the RuntimeError Horovod raises there."""
+
+
 class RankLostError(HvdError):
     """A rank died (MPI's fault tolerance reported it): ``hvd.elastic.run`` starts again on the
     survivors; outside it, the job cannot go on."""

@@ -16,7 +16,7 @@ import numpy as np
 from . import ops
 from .api import (allgather_async, allgather_object, check_tensor, reducescatter_async,
                   request_name, scale_factor, submit_allreduce)
-from .errors import HvdError
+from .errors import HvdError, OpNotSupportedError
 from .handles import GroupHandle, Handle
 from .negotiation import Ann
 from .ops import Average
@@ -244,7 +244,7 @@ def grouped_reducescatter_async(tensors: Sequence[Any], name: Optional[str] = No
     _check_list(tensors, "grouped_reducescatter")
     op_ = ops.to_op(op)
     if op_ == ops.Adasum:
-        raise ValueError("grouped_reducescatter does not take op=hvd.Adasum (Adasum is an "
+        raise OpNotSupportedError("grouped_reducescatter does not take op=hvd.Adasum (Adasum is an "
                          "allreduce); use hvd.Average or hvd.Sum")
     for i, t in enumerate(tensors):   # every tensor checked before any request goes out
         dtype, shape, _ = check_tensor(t, "grouped_reducescatter")
