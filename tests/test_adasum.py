@@ -229,3 +229,13 @@ def test_tensorflow_gradient_tape_adasum_under_mpi(np_):
     pytest.importorskip("tensorflow")
     proc = mpirun("coll_adasum.py", np_, "tf", timeout=300)
     assert proc.stdout.count("coll_adasum OK") == np_, proc.stdout + proc.stderr
+
+
+def test_reducescatter_refuses_adasum_as_horovod_does():
+    import numpy as np
+    import hvd_magic.collectives as C
+    for call in (lambda: C.reducescatter(np.ones(4), op=C.Adasum),
+                 lambda: C.grouped_reducescatter([np.ones(4)], op=C.Adasum)):
+        with pytest.raises(ValueError, match="does not take op=hvd.Adasum") as info:
+            call()
+        assert isinstance(info.value, RuntimeError)      # what Horovod's tests expect
