@@ -105,10 +105,11 @@ hvd.rank(), hvd.size(), state.step
 
 def test_an_elastic_pool_finishes_the_cell_on_the_survivors_and_keeps_them():
     from hvd_magic.kernel import PoolManager, TextSink
+    from hvd_magic.widgets.text import TelemetryTextSink
 
-    class Sink(TextSink):
+    class Sink(TelemetryTextSink):           # the live panel's model, in text
         def __init__(self):
-            super().__init__()
+            super().__init__(ranks=[0, 1, 2])
             self.lines = []
 
         def status(self, text):
@@ -125,6 +126,8 @@ def test_an_elastic_pool_finishes_the_cell_on_the_survivors_and_keeps_them():
         assert any("rank 2" in s and "the pool goes on with 2 ranks, renumbered 0..1" in s
                    for s in sink.lines), sink.lines
         assert pool.size == 2 and pool.alive() and took < 30
+        assert sink.cell.rank[2].status == "lost" and sink.cell.live_ranks() == [0, 1]
+        assert any("rank 2 lost (the others went on)" in s for s in sink.lines), sink.lines
         # later cells and %hvd pull see the survivors, renumbered
         assert pool.pull("world", ranks=[1]) == [3]
         again = pool.run_cell("hvd.rank(), hvd.size(), float(model.weight.sum())", TextSink())

@@ -166,6 +166,20 @@ def test_cell_state_rate_of_a_cell_shorter_than_one_batch():
     assert c.total_rate() == pytest.approx(200.0)
 
 
+def test_a_lost_rank_leaves_the_throughput_and_efficiency_to_the_others():
+    c = M.CellState([0, 1, 2], single_rate=100.0, window=10.0)
+    for i in range(1, 4):
+        for r in (0, 1, 2):
+            c.ingest(batch(r, i, float(i), samples=90 * i))
+    assert c.efficiency() == pytest.approx(0.9)
+    c.lose(2, "killed by signal 9")
+    assert c.live_ranks() == [0, 1] and c.total_rate() == pytest.approx(180.0)
+    assert c.efficiency() == pytest.approx(0.9)            # of 2 ranks now, not 3
+    c.finish()
+    assert c.rank[2].status == M.LOST and "rank 2 lost (the others went on)" in c.summary_text()
+    assert "rank 2: lost" in H.badge_html(2, c.rank[2].status, c.rank[2].why)
+
+
 def test_autotune_setting_in_the_summary_and_panel():
     c = M.CellState([0, 1])
     tune = {"active": True, "trial": 3, "fusion_mb": 8.0, "cycle_ms": 2.5}

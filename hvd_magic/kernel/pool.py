@@ -424,6 +424,8 @@ class Pool:
         exits = {e.rank: e.how for e in parse_rank_exits(
             tail(os.path.join(self.config.workdir, "mpiexec.log"), 20000))}
         how = "; ".join(f"rank {r} {exits.get(self.engines[r], 'died')}" for r in lost)
+        for r in lost:
+            notify(sink, "lost", r, exits.get(self.engines[r], "died"))
         self.pids = {i: self.pids[r] for i, r in enumerate(left) if r in self.pids}
         self.hosts = {i: self.hosts[r] for i, r in enumerate(left) if r in self.hosts}
         self.engines, self._views = [self.engines[r] for r in left], {}

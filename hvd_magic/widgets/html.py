@@ -59,7 +59,7 @@ def metrics_html(cell: CellState) -> str:
     tune = autotune_text(cell.autotune)
     tune = f"<div class='hvdm-autotune'>{html.escape(tune)}</div>" if tune else ""
     rows = "".join(f"<td style='padding:0 10px'>rank {r}: {fmt_rate(rates[r])} samples/s, "
-                   f"comm {fmt_pct(comm[r])}</td>" for r in cell.ranks)
+                   f"comm {fmt_pct(comm[r])}</td>" for r in cell.live_ranks())
     return ("<div class='hvdm-metrics' style='font-size:13px'>"
             f"<b>throughput</b> <span class='hvdm-total'>{fmt_rate(cell.total_rate())}</span> "
             f"samples/s &nbsp; <b>scaling efficiency</b> <span class='hvdm-eff'>{base}</span> "

@@ -23,12 +23,13 @@ from ..kernel.spans import Span
 
 # ---------------------------------------------------------------------------- statuses
 
-STARTING, RUNNING, WAITING, DONE, FAILED, STALLED = (
-    "starting", "running", "waiting", "done", "failed", "stalled")
+STARTING, RUNNING, WAITING, DONE, FAILED, STALLED, LOST = (
+    "starting", "running", "waiting", "done", "failed", "stalled", "lost")
 STATUS_TEXT = {STARTING: "starting", RUNNING: "running", WAITING: "waiting in a collective",
-               DONE: "done", FAILED: "failed", STALLED: "stalled"}
+               DONE: "done", FAILED: "failed", STALLED: "stalled",
+               LOST: "lost (the others went on)"}
 STATUS_COLOR = {STARTING: "#888888", RUNNING: "#1f77b4", WAITING: "#e6a700", DONE: "#2ca02c",
-                FAILED: "#d62728", STALLED: "#ff7f0e"}
+                FAILED: "#d62728", STALLED: "#ff7f0e", LOST: "#7f7f7f"}
 
 # ---------------------------------------------------------------------------- phases
 
@@ -384,25 +385,36 @@ class CellState:
         self.rank[rank].status, self.rank[rank].why = FAILED, why
         self.failures[rank] = why
 
+    def lose(self, rank: int, why: str) -> None:
+        """An elastic cell lost ``rank`` and went on without it: from now on throughput and
+        efficiency count the ranks left."""
+        if rank not in self.rank:
+            self._add_rank(rank)
+        self.rank[rank].status, self.rank[rank].why = LOST, why
+
+    def live_ranks(self) -> List[int]:
+        return [r for r in self.ranks if self.rank[r].status != LOST]
+
     def finish(self) -> None:
         self.finished = True
         for log in self.logs.values():
             log.flush()
         for r, st in self.rank.items():
-            if st.status not in (FAILED, DONE):
+            if st.status not in (FAILED, DONE, LOST):
                 st.status = DONE if st.seq >= 0 or r not in self.failures else FAILED
 
     # -- outputs
     def rates(self) -> Dict[int, Optional[float]]:
         """Per-rank samples/s: the recent window while running, the whole run once finished."""
-        return {r: (t.average() if self.finished else t.rate()) for r, t in self.tput.items()}
+        return {r: (t.average() if self.finished else t.rate()) for r, t in self.tput.items()
+                if self.rank[r].status != LOST}
 
     def total_rate(self) -> Optional[float]:
         vals = [v for v in self.rates().values() if v is not None]
         return sum(vals) if vals else None
 
     def efficiency(self) -> Optional[float]:
-        return efficiency(self.total_rate(), len(self.ranks), self.single_rate)
+        return efficiency(self.total_rate(), len(self.live_ranks()), self.single_rate)
 
     def comm(self) -> Dict[int, Optional[float]]:
         """Per rank: share of time with a collective in flight (recent window, or whole cell)."""
@@ -463,11 +475,11 @@ class CellState:
         statuses = ", ".join(f"rank {r} {STATUS_TEXT[self.rank[r].status]}" for r in self.ranks)
         lines.append(f"hvd: {statuses}")
         if any(v is not None for v in rates.values()):
-            per = ", ".join(f"rank {r} {fmt_rate(rates[r])}" for r in self.ranks)
+            per = ", ".join(f"rank {r} {fmt_rate(rates[r])}" for r in self.live_ranks())
             lines.append(f"hvd: throughput {fmt_rate(self.total_rate())} samples/s in total ({per})")
             eff = self.efficiency()
             if eff is not None:
-                lines.append(f"hvd: scaling efficiency {fmt_pct(eff)} of {len(self.ranks)} x "
+                lines.append(f"hvd: scaling efficiency {fmt_pct(eff)} of {len(self.live_ranks())} x "
                              f"{fmt_rate(self.single_rate)} samples/s (1 rank)")
             else:
                 lines.append("hvd: scaling efficiency: no 1-rank baseline yet (run the cell "

@@ -319,6 +319,10 @@ class WidgetSink:
             self.saved_w.value = f"<span style='color:#c00'>{_esc(str(exc))}</span>"
 
     # -- end of the cell
+    def lost(self, rank: int, why: str) -> None:
+        with self.lock:
+            self.cell.lose(rank, why)
+
     def failed(self, exc: PoolCellError) -> None:
         with self.lock:
             for f in exc.failures:

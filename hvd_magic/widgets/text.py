@@ -59,6 +59,10 @@ class TelemetryTextSink(TextSink):
             self._said = text
             self.status(f"hvd: {text}")
 
+    def lost(self, rank: int, why: str) -> None:
+        with self.lock:
+            self.cell.lose(rank, why)
+
     def failed(self, exc: PoolCellError) -> None:
         for f in exc.failures:
             self.cell.fail(f.rank, f.summary())
