@@ -289,6 +289,17 @@ def test_keras_horovod_entry_points_under_mpi(np_):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("np_", [2, 3])
+def test_horovod_compat_under_mpi(np_):
+    """What Horovod's test_tensorflow.py needs: FailedPreconditionError on a mismatch (eager,
+    tf.function, TF1 session), InvalidArgumentError on bad splits, uint16 data movement,
+    grouped_allreduce of IndexedSlices, Horovod's reducescatter gradient scale,
+    broadcast_global_variables, the session-graph broadcast gradient (tf_horovod_compat.py)."""
+    proc = mpirun("tf_horovod_compat.py", np_, env=TF_ENV, timeout=180)
+    assert proc.stdout.count("done, 0 failures") == np_, proc.stdout
+
+
+@pytest.mark.slow
 def test_digits_converges_at_2_ranks():
     proc = mpirun("tf_digits.py", 2, env=TF_ENV, timeout=120)
     acc = [float(ln.split()[1]) for ln in proc.stdout.splitlines() if ln.startswith("accuracy")]

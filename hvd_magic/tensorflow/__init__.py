@@ -40,8 +40,8 @@ from hvd_magic.collectives import (Adasum, Average, HorovodInternalError, HvdErr
                                    size, start_timeline, stop_timeline)
 
 from .compression import Compression, Compressor  # noqa: E402
-from .functions import (allgather_object, broadcast_, broadcast_object,  # noqa: E402
-                        broadcast_object_fn, broadcast_variables, grouped_allgather,
+from .functions import (allgather_object, broadcast_, broadcast_global_variables,  # noqa: E402
+                        broadcast_object, broadcast_object_fn, broadcast_variables, grouped_allgather,
                         grouped_reducescatter, local_rank_op, local_size_op,
                         process_set_included_op, rank_op, size_op)
 from .gradient_tape import DistributedGradientTape  # noqa: E402
@@ -70,5 +70,8 @@ def __getattr__(name: str) -> object:
 
 
 from . import elastic  # noqa: E402 - hvd.elastic.run, TensorFlowKerasState
+from . import util  # noqa: E402 - hvd.util._executing_eagerly, as in Horovod
+from ._bridge import CollectiveMismatchError  # noqa: E402
+from .util import _executing_eagerly  # noqa: E402,F401 - Horovod exports it here too
 
 __all__ = [n for n in dir() if not n.startswith("_") and n != "annotations"] + ["SyncBatchNormalization"]

@@ -1,7 +1,7 @@
 """Built on the collectives of :mod:`.mpi_ops`: the grouped allgather / reducescatter
 (one request per tensor, differentiable like the single ops: the allgather gradient is
 averaged over the ranks and each rank keeps its rows, the reducescatter gradient is
-allgathered and scaled like the forward pass), starting every rank from the root's variables
+allgathered and scaled as Horovod does), starting every rank from the root's variables
 (``broadcast_variables``, ``broadcast_``), the object collectives and the rank/size ops.
 Each takes ``process_set=`` where Horovod's does, in Horovod's position."""
 from __future__ import annotations
@@ -18,13 +18,14 @@ from hvd_magic.collectives.process_sets import engine_of
 
 from ._compat import import_tf
 from .compression import Compression, Compressor, check_compression
-from .mpi_ops import _check_grad_op, _grouped, _my_rows, _own_rows, _place, _tensor, host_call
+from ._bridge import host_call, movable
+from .mpi_ops import _check_grad_op, _grouped, _my_rows, _own_rows, _place, _tensor
 
 tf = import_tf()
 _plain = tf.autograph.experimental.do_not_convert
 
 __all__ = ["grouped_allgather", "grouped_reducescatter", "broadcast_variables", "broadcast_",
-           "broadcast_object", "broadcast_object_fn", "allgather_object", "size_op",
+           "broadcast_global_variables", "broadcast_object", "broadcast_object_fn", "allgather_object", "size_op",
            "process_set_included_op", "local_size_op", "rank_op", "local_rank_op"]
 
 
@@ -58,14 +59,14 @@ def grouped_allgather(tensors: Sequence[Any], name: Optional[str] = None,
     k, scalars = len(xs), [x.shape.rank == 0 for x in xs]
 
     def host(*arrays: Any) -> list:
-        outs, rows = grouped_allgather_rows(list(arrays), name, process_set)
+        outs, rows = grouped_allgather_rows([movable(a) for a in arrays], name, process_set)
         return outs + [np.asarray(rw, dtype=np.int64) for rw in rows]
 
     @tf.custom_gradient
     def f(*ts: Any) -> Any:
         shapes = [tf.TensorShape([None]).concatenate(t.shape[1:] if t.shape.rank else []) for t in ts]
         outs = host_call(host, ts, [t.dtype for t in ts] + [tf.int64] * k,
-                         shapes + [tf.TensorShape([None])] * k, "grouped_allgather")
+                         shapes + [tf.TensorShape([None])] * k, "grouped_allgather", name)
         ys, rows = outs[:k], outs[k:]
 
         def grad(*dys: Any) -> Any:
@@ -113,12 +114,12 @@ def _grouped_reducescatter(xs: list, name: Optional[str], op: Any, pre: float, p
         shapes = [tf.TensorShape([_my_rows(t.shape[0], n, r)]).concatenate(t.shape[1:]) for t in ts]
         outs = host_call(lambda *a: C.grouped_reducescatter(list(a), name=name, op=op, prescale_factor=pre,
                                                             postscale_factor=post, process_set=ps),
-                         ts, [t.dtype for t in ts], shapes, "grouped_reducescatter")
+                         ts, [t.dtype for t in ts], shapes, "grouped_reducescatter", name)
 
         def grad(*dys: Any) -> Any:
             _check_grad_op(op, "grouped_reducescatter")
             gs = grouped_allgather([tf.convert_to_tensor(d) for d in dys], process_set=ps)
-            scale = pre * post / (n if op == Average else 1)
+            scale = pre * post * (n if op != Average else 1)   # as Horovod scales it
             return [g * tf.cast(scale, g.dtype) if scale != 1.0 else g for g in gs]
         return outs, grad
     return list(f(*xs))
@@ -153,7 +154,7 @@ def _packed_broadcast(arrays: list, root_rank: int, name: str, ps: ProcessSet) -
         groups.setdefault(a.dtype.str, []).append(i)
     out: list = [None] * len(arrays)
     for key, idxs in sorted(groups.items()):
-        flat = np.concatenate([np.asarray(arrays[i]).reshape(-1) for i in idxs])
+        flat = movable(np.concatenate([np.asarray(arrays[i]).reshape(-1) for i in idxs]))
         got = C.broadcast(flat, root_rank, name=f"{name}.{key}", process_set=ps)
         got = np.asarray(got).view(flat.dtype) if got.dtype != flat.dtype else np.asarray(got)
         off = 0
@@ -194,6 +195,22 @@ def broadcast_variables(variables: Iterable[Any], root_rank: int = 0,
     if tf.executing_eagerly():
         return None
     return tf.group(*assigns)
+
+
+def broadcast_global_variables(root_rank: int) -> Any:
+    """TF1 graph mode: :func:`broadcast_variables` of ``tf.compat.v1.global_variables()``
+    (returns the op to run). Eagerly there are no global variables: RuntimeError, as Horovod.
+
+    Example, 2 ranks, graph mode, one global variable ``w``::
+
+        rank 0: w = [0.1]  ->  [0.1]  (after session.run(broadcast_global_variables(0)))
+        rank 1: w = [0.7]  ->  [0.1]
+    """
+    if tf.executing_eagerly():
+        raise RuntimeError("hvd.broadcast_global_variables() works in TF1 graph mode only: eager "
+                           "TensorFlow keeps no global variables. Use hvd.broadcast_variables("
+                           "model.variables, root_rank) (and optimizer.variables) instead")
+    return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
 
 
 @_plain

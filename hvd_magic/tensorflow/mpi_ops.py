@@ -8,7 +8,8 @@ into Python). The reductions, gathers and broadcasts are differentiable, as in H
 - allgather: the gradient is averaged over the ranks and each rank keeps its own rows;
 - broadcast: the gradient is averaged over the ranks; the root keeps it, others get zeros
   (allgather and broadcast average as ``horovod.tensorflow`` does);
-- reducescatter: the gradient is allgathered (and scaled like the forward pass);
+- reducescatter: the gradient is allgathered, times the scale factors and, for Sum, the
+  number of ranks (Horovod's convention);
 - alltoall: the gradient travels back with ``alltoall(grad, splits=received_splits)``.
 
 Every rank must run the same collectives (and so the same backward passes) in the same order,
@@ -19,7 +20,6 @@ effect: requests are named by ``name`` or by call order, never by TensorFlow nam
 """
 from __future__ import annotations
 
-import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -29,71 +29,8 @@ from hvd_magic.collectives import Average, ProcessSet, Sum, global_process_set
 from hvd_magic.collectives.ops import resolve_op, to_op
 from hvd_magic.collectives.process_sets import engine_of
 
-from ._compat import import_tf
+from ._bridge import SplitsError, _plain, host_call, movable, tf
 from .compression import Compression, Compressor, check_compression
-
-tf = import_tf()
-_plain = tf.autograph.experimental.do_not_convert   # no autograph rewriting of these
-
-
-# ---------------------------------------------------------------- eager / graph bridge
-
-def _in_xla() -> bool:
-    try:
-        from tensorflow.python.ops import control_flow_util
-        return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
-    except Exception:  # noqa: BLE001 - private API moved: assume no XLA
-        return False
-
-
-def _as_dtype(arr: Any, dtype: Any) -> np.ndarray:
-    """``arr`` as the numpy dtype TensorFlow expects for ``dtype`` (bfloat16 comes back from
-    the runtime as its int16 bits)."""
-    want = np.dtype(dtype.as_numpy_dtype)
-    a = np.asarray(arr)
-    if a.dtype == want:
-        return a
-    if a.dtype.itemsize == want.itemsize and a.dtype.kind in "iu" and dtype == tf.bfloat16:
-        return a.view(want)
-    return a.astype(want)
-
-
-_LAST_HOST_OP: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # graph -> last op
-
-
-@_plain
-def host_call(fn: Callable[..., Sequence[Any]], inputs: Sequence[Any], touts: Sequence[Any],
-              shapes: Sequence[Any], what: str) -> list:
-    """Run ``fn`` (numpy arrays in, a list of numpy arrays out) on ``inputs``: directly when
-    executing eagerly, as a stateful ``tf.numpy_function`` inside a graph."""
-    touts = list(touts)
-    if tf.executing_eagerly():
-        outs = fn(*[np.asarray(x.numpy()) for x in inputs])
-        return [tf.convert_to_tensor(_as_dtype(o, d), dtype=d) for o, d in zip(outs, touts)]
-    if _in_xla():
-        raise ValueError(f"hvd_magic.tensorflow.{what} cannot run inside an XLA-compiled function "
-                         "(jit_compile=True): XLA cannot call back into Python. Use "
-                         "tf.function(jit_compile=False), or model.compile(..., jit_compile=False)")
-
-    def run(*arrays: Any) -> list:   # 0-d inputs arrive as numpy scalars
-        return [_as_dtype(o, d) for o, d in zip(fn(*[np.asarray(a) for a in arrays]), touts)]
-
-    # A TF1-style session graph (not tf.function, whose stateful ops run in program order)
-    # runs independent ops in any order, which differs by rank: chain the collectives in the
-    # order they were built, the same on every rank.
-    graph = None if tf.inside_function() else tf.compat.v1.get_default_graph()
-    last = _LAST_HOST_OP.get(graph) if graph is not None else None
-    with tf.control_dependencies([last] if last is not None else []):
-        outs = tf.numpy_function(run, list(inputs), touts, stateful=True, name=f"hvd_{what}")
-    if not isinstance(outs, (list, tuple)):
-        outs = [outs]
-    outs = list(outs)
-    if graph is not None and outs:
-        _LAST_HOST_OP[graph] = outs[0].op
-    for o, s in zip(outs, shapes):
-        if s is not None:
-            o.set_shape(s)
-    return outs
 
 
 def _tensor(x: Any, fn: str) -> Any:
@@ -133,7 +70,7 @@ def _allreduce(x: Any, name: Optional[str], op: Any, pre: float, post: float,
     def f(t: Any) -> Any:
         (y,) = host_call(lambda a: [C.allreduce(a, name=name, op=op, prescale_factor=pre,
                                                 postscale_factor=post, process_set=ps)],
-                         [t], [t.dtype], [t.shape], "allreduce")
+                         [t], [t.dtype], [t.shape], "allreduce", name)
 
         def grad(dy: Any) -> Any:
             _check_grad_op(op, "allreduce")
@@ -207,7 +144,7 @@ def _grouped(xs: list, name: Optional[str], op: Any, pre: float, post: float,
     def f(*ts: Any) -> Any:
         outs = host_call(lambda *a: C.grouped_allreduce(list(a), name=name, op=op, prescale_factor=pre,
                                                         postscale_factor=post, process_set=ps),
-                         ts, [t.dtype for t in ts], [t.shape for t in ts], "grouped_allreduce")
+                         ts, [t.dtype for t in ts], [t.shape for t in ts], "grouped_allreduce", name)
 
         def grad(*dys: Any) -> Any:
             _check_grad_op(op, "grouped_allreduce")
@@ -224,7 +161,8 @@ def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None,
                       process_set: ProcessSet = global_process_set,
                       ignore_name_scope: bool = False, name: Optional[str] = None) -> list:
     """:func:`allreduce` of every tensor of the list as one request per dtype (one flat
-    buffer, one reduction); differentiable. Returns the list of results.
+    buffer, one reduction); differentiable. Returns the list of results. ``tf.IndexedSlices``
+    in the list are allgathered one by one, as :func:`allreduce` does.
 
     Example, 2 ranks, op=Sum::
 
@@ -239,19 +177,29 @@ def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None,
     if not tensors:
         return []
     ts = [_tensor(t, "grouped_allreduce") for t in tensors]
-    if any(isinstance(t, tf.IndexedSlices) for t in ts):
-        raise TypeError("grouped_allreduce takes dense tensors; allreduce tf.IndexedSlices one by "
-                        "one, or densify them with tf.convert_to_tensor")
-    pairs = [compression.compress(t) for t in ts]
-    outs = _grouped([p[0] for p in pairs], name, op, float(prescale_factor), float(postscale_factor),
-                    process_set)
-    return [compression.decompress(o, p[1]) for o, p in zip(outs, pairs)]
+    sparse = [i for i, t in enumerate(ts) if isinstance(t, tf.IndexedSlices)]
+    dense = [i for i, t in enumerate(ts) if not isinstance(t, tf.IndexedSlices)]
+    results: list = [None] * len(ts)
+    if sparse:   # as Horovod: each is allgathered (values and indices), refused like allreduce's
+        if float(prescale_factor) != 1.0 or float(postscale_factor) != 1.0:
+            raise SparseOpError("grouped_allreduce of tf.IndexedSlices takes no prescale_factor/"
+                                "postscale_factor (as in Horovod); scale the values yourself")
+        for k, i in enumerate(sparse):
+            results[i] = _sparse_allreduce(ts[i], None if name is None else f"{name}.sparse{k}",
+                                           op, process_set)
+    if dense:
+        pairs = [compression.compress(ts[i]) for i in dense]
+        outs = _grouped([p[0] for p in pairs], name, op, float(prescale_factor),
+                        float(postscale_factor), process_set)
+        for i, o, p in zip(dense, outs, pairs):
+            results[i] = compression.decompress(o, p[1])
+    return results
 
 
 # ---------------------------------------------------------------- allgather, broadcast
 
 def _gather_host(a: np.ndarray, name: Optional[str], ps: ProcessSet) -> list:
-    handle = C.allgather_async(a, name=name, process_set=ps)
+    handle = C.allgather_async(movable(a), name=name, process_set=ps)
     out, rows = handle.wait(), handle.extra
     if rows is None:   # the backend did not report rows per rank: ask
         rows = C.allgather_object(int(a.shape[0]) if a.ndim else 1, process_set=ps)
@@ -286,7 +234,7 @@ def allgather(tensor: Any, name: Optional[str] = None, ignore_name_scope: bool =
     def f(t: Any) -> Any:
         shape = tf.TensorShape([None]).concatenate(t.shape[1:]) if t.shape.rank else tf.TensorShape([None])
         y, rows = host_call(lambda a: _gather_host(a, name, process_set), [t], [t.dtype, tf.int64],
-                            [shape, tf.TensorShape([None])], "allgather")
+                            [shape, tf.TensorShape([None])], "allgather", name)
 
         def grad(dy: Any) -> Any:
             g = _allreduce(tf.convert_to_tensor(dy), None, Average, 1.0, 1.0, process_set)
@@ -313,12 +261,16 @@ def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None,
 
     @tf.custom_gradient
     def f(t: Any) -> Any:
-        (y,) = host_call(lambda a: [C.broadcast(a, root_rank, name=name, process_set=process_set)],
-                         [t], [t.dtype], [t.shape], "broadcast")
+        (y,) = host_call(lambda a: [C.broadcast(movable(a), root_rank, name=name,
+                                                process_set=process_set)],
+                         [t], [t.dtype], [t.shape], "broadcast", name)
 
         def grad(dy: Any) -> Any:
             g = _allreduce(tf.convert_to_tensor(dy), None, Average, 1.0, 1.0, process_set)
-            return g if C.rank() == root_rank else tf.zeros_like(g)
+            if C.rank() == root_rank:
+                return g
+            with tf.control_dependencies([g]):   # a graph must still run the allreduce here
+                return tf.identity(tf.zeros_like(g))
         return y, grad
     return f(x)
 
@@ -346,7 +298,7 @@ def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None,
         raise ValueError("alltoall needs a tensor with at least one dimension")
     if splits is None:
         if x.shape[0] is not None and x.shape[0] % n:
-            raise ValueError(f"alltoall without splits needs the first dimension ({x.shape[0]}) to "
+            raise SplitsError(f"alltoall without splits needs the first dimension ({x.shape[0]}) to "
                              f"be divisible by the number of ranks ({n}); pass splits=[rows per rank]")
         sp = tf.fill([n], tf.cast(tf.shape(x)[0] // n, tf.int32))
     else:
@@ -362,8 +314,8 @@ def _alltoall(x: Any, sp: Any, name: Optional[str], ps: ProcessSet) -> tuple:
     @tf.custom_gradient
     def f(t: Any) -> Any:
         shape = tf.TensorShape([None]).concatenate(t.shape[1:])
-        y, rs = host_call(lambda a, s: list(C.alltoall(a, splits=s, name=name, process_set=ps)),
-                          [t, sp], [t.dtype, tf.int32], [shape, tf.TensorShape([n])], "alltoall")
+        y, rs = host_call(lambda a, s: list(C.alltoall(movable(a), splits=s, name=name, process_set=ps)),
+                          [t, sp], [t.dtype, tf.int32], [shape, tf.TensorShape([n])], "alltoall", name)
         received.append(rs)
 
         def grad(dy: Any) -> Any:
@@ -415,12 +367,12 @@ def _reducescatter(x: Any, name: Optional[str], op: Any, pre: float, post: float
         shape = tf.TensorShape([_my_rows(t.shape[0], n, r)]).concatenate(t.shape[1:])
         (y,) = host_call(lambda a: [C.reducescatter(a, name=name, op=op, prescale_factor=pre,
                                                     postscale_factor=post, process_set=ps)],
-                         [t], [t.dtype], [shape], "reducescatter")
+                         [t], [t.dtype], [shape], "reducescatter", name)
 
         def grad(dy: Any) -> Any:
             _check_grad_op(op, "reducescatter")
             g = allgather(tf.convert_to_tensor(dy), process_set=ps)
-            scale = pre * post / (n if op == Average else 1)
+            scale = pre * post * (n if op == Sum else 1)   # as Horovod scales it
             return g * tf.cast(scale, g.dtype) if scale != 1.0 else g
         return y, grad
     return f(x)
