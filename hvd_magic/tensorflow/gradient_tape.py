@@ -19,7 +19,8 @@ from hvd_magic.collectives.ops import to_op
 
 from ._compat import import_tf
 from .compression import Compression, Compressor, check_compression
-from .mpi_ops import _grouped, _sparse_allreduce, host_call
+from ._bridge import host_call
+from .mpi_ops import _grouped, _sparse_allreduce
 
 tf = import_tf()
 

@@ -472,7 +472,7 @@ def set_gradients(label, run, ps, mates):
         return [tape.gradient(t, w) for t in y]
     got = run(grads)
     want = [m * f, f * float(c[start:start + R + 1].sum()) * sq, f * sq if R == mates[-1] else 0.0,
-            m, total, m * f, f * sq]
+            m * m, total, m * f, f * sq]   # reducescatter (Sum): times the set's size, as Horovod
     names = ["allreduce", "allgather", "broadcast", "reducescatter", "alltoall", "grouped_allreduce",
              "grouped_allgather"]
     for what, g, v in zip(names, got, want):
