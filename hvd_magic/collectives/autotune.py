@@ -15,7 +15,9 @@ imports settle there.
 The search is not Horovod's Bayesian optimisation but a coordinate search over fixed
 candidates, which needs fewer trials for two knobs and is easy to follow in the log: the
 starting setting, then every cycle time of :data:`CYCLE_MS` at the starting threshold, then
-every threshold of :data:`FUSION_MB` at the best cycle time, at most ``max_trials`` in all.
+every threshold of :data:`FUSION_MB` at the best cycle time, then the :data:`CONFIRM` best
+settings once more (on a shared machine one trial's score is noisy; a setting's score is the
+mean of its trials), at most ``max_trials`` trials in all.
 A knob the user set explicitly (``HOROVOD_FUSION_THRESHOLD``, ``HOROVOD_CYCLE_TIME``) stays
 fixed, as in Horovod. Each trial is a CSV row in Horovod's columns (``HOROVOD_AUTOTUNE_LOG``);
 the last row is the setting chosen, with its score.
@@ -31,6 +33,7 @@ from .fusion import nbytes
 CYCLE_MS = (0.0, 1.0, 2.5, 5.0, 10.0, 25.0)
 FUSION_MB = (0.0, 0.5, 2.0, 8.0, 32.0, 64.0)
 SAMPLES = 5
+CONFIRM = 3
 HEADER = ("hierarchical_allreduce,hierarchical_allgather,torus_allreduce,cache_enabled,"
           "cycle_time_ms,tensor_fusion_threshold,score")
 MB = 1024 * 1024
@@ -66,10 +69,21 @@ class Tuner:
         self.log = log
         self.phases: List[str] = [p for p, on in (("cycle", tune_cycle), ("fusion", tune_fusion)) if on]
         self.active = bool(self.phases)
-        self.scores: Dict[Setting, float] = {}
+        self.trials: Dict[Setting, List[float]] = {}
+        self.n_trials = 0
+        self.confirming = False        # the last phase: the best settings measured again
         self.queue: List[Setting] = []
         self.waiting = False           # a new setting is on its way to the ranks
         self._start_sample(None)
+
+    @property
+    def scores(self) -> Dict[Setting, float]:
+        """Each setting tried: the mean of its trials' scores."""
+        return {s: statistics.fmean(v) for s, v in self.trials.items()}
+
+    def _best(self) -> Setting:
+        scores = self.scores
+        return max(scores, key=scores.__getitem__)
 
     # -- the search
     def _start_sample(self, now: Optional[float]) -> None:
@@ -111,11 +125,12 @@ class Tuner:
             self.warmups_left -= 1
             self._start_sample(now)
             return None
-        self.scores[self.current] = score
+        self.trials.setdefault(self.current, []).append(score)
+        self.n_trials += 1
         self._write(self.current, score)
         nxt = self._next()
         if nxt is None:
-            best = max(self.scores, key=self.scores.__getitem__)
+            best = self._best()
             self._write(best, self.scores[best])
             self.active = False
             self.current = best
@@ -124,18 +139,21 @@ class Tuner:
         return nxt
 
     def _next(self) -> Optional[Setting]:
-        while len(self.scores) < self.max_trials:
+        while self.n_trials < self.max_trials:
             if self.queue:
                 s = self.queue.pop(0)
-                if s not in self.scores:
+                if self.confirming or s not in self.trials:
                     return s
-                continue
-            if not self.phases:
+            elif self.phases:
+                base, phase = self._best(), self.phases.pop(0)
+                self.queue = ([Setting(base.fusion_mb, c) for c in CYCLE_MS] if phase == "cycle"
+                              else [Setting(f, base.cycle_ms) for f in FUSION_MB])
+            elif not self.confirming and len(self.trials) > 1:
+                self.confirming = True
+                scores = self.scores
+                self.queue = sorted(scores, key=scores.__getitem__, reverse=True)[:CONFIRM]
+            else:
                 return None
-            base = max(self.scores, key=self.scores.__getitem__)
-            phase = self.phases.pop(0)
-            self.queue = ([Setting(base.fusion_mb, c) for c in CYCLE_MS] if phase == "cycle"
-                          else [Setting(f, base.cycle_ms) for f in FUSION_MB])
         return None
 
     def _write(self, s: Setting, score: float) -> None:
@@ -173,7 +191,7 @@ def carried(responses: list) -> Iterator[Tuple[str, int]]:
 
 def message(s: Setting, tuner: Tuner) -> tuple:
     """A setting as rank 0's negotiation message carries it."""
-    trial = len(tuner.scores) + (1 if tuner.active else 0)
+    trial = tuner.n_trials + (1 if tuner.active else 0)
     return (s.fusion_mb, s.cycle_ms, tuner.active, trial)
 
 
