@@ -3,7 +3,7 @@ raise Horovod's TensorFlow error classes.
 
 Horovod's TF ops fail with ``tf.errors.FailedPreconditionError`` when the ranks disagree on a
 collective (shape, dtype, root rank), and with ``tf.errors.InvalidArgumentError`` on bad
-splits. Eagerly, hvd_magic raises :class:`CollectiveMismatchError` (a FailedPreconditionError
+splits or a process set the rank is not in. Eagerly, hvd_magic raises :class:`CollectiveMismatchError` (a FailedPreconditionError
 and a :class:`~hvd_magic.collectives.TensorMismatchError`). In a graph, an exception raised
 inside ``tf.numpy_function`` always reaches the caller as ``tf.errors.UnknownError``; so the
 host op reports a mismatch through a status output instead, and a graph op that fails with
@@ -30,16 +30,28 @@ class CollectiveMismatchError(tf.errors.FailedPreconditionError, TensorMismatchE
     """The ranks disagree on a collective: Horovod's ``tf.errors.FailedPreconditionError``,
     and hvd_magic's TensorMismatchError."""
 
-    def __init__(self, message: str) -> None:
+    # Built from a message alone, with Exception's __init__: autograph then re-raises this
+    # class from inside tf.function (not its StagingError)
+    __init__ = Exception.__init__
+
+    def __new__(cls, message: str = "", *rest: Any) -> Any:
+        self = Exception.__new__(cls, message)
         tf.errors.FailedPreconditionError.__init__(self, None, None, message)
+        return self
 
 
-class SplitsError(tf.errors.InvalidArgumentError, ValueError):
-    """alltoall's rows do not split as asked: Horovod's ``tf.errors.InvalidArgumentError``,
-    and a ValueError."""
+class ArgumentError(tf.errors.InvalidArgumentError, ValueError):
+    """An argument Horovod's TF ops refuse with ``tf.errors.InvalidArgumentError`` (rows that
+    do not split, a process set this rank is not in); also a ValueError."""
 
-    def __init__(self, message: str) -> None:
+    # Built from a message alone, with Exception's __init__: autograph then re-raises this
+    # class from inside tf.function (not its StagingError)
+    __init__ = Exception.__init__
+
+    def __new__(cls, message: str = "", *rest: Any) -> Any:
+        self = Exception.__new__(cls, message)
         tf.errors.InvalidArgumentError.__init__(self, None, None, message)
+        return self
 
 
 def _in_xla() -> bool:

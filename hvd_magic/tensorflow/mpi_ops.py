@@ -29,7 +29,7 @@ from hvd_magic.collectives import Average, ProcessSet, Sum, global_process_set
 from hvd_magic.collectives.ops import resolve_op, to_op
 from hvd_magic.collectives.process_sets import engine_of
 
-from ._bridge import SplitsError, _plain, host_call, movable, tf
+from ._bridge import ArgumentError, _plain, host_call, movable, tf
 from .compression import Compression, Compressor, check_compression
 
 
@@ -50,7 +50,10 @@ _op = resolve_op   # Horovod's average=/op= rule, shared by the faces
 def _place(process_set: ProcessSet) -> tuple:
     """``(rank within, size of)`` ``process_set`` for this rank; ValueError naming the set when
     this rank is not in it (or it is not registered), TypeError when it is no ProcessSet."""
-    engine_of(process_set)
+    try:
+        engine_of(process_set)
+    except ValueError as exc:   # Horovod's TF ops: InvalidArgumentError
+        raise ArgumentError(str(exc)) from exc
     if process_set.process_set_id == 0:
         return C.rank(), C.size()
     return process_set.rank(), process_set.size()
@@ -298,7 +301,7 @@ def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None,
         raise ValueError("alltoall needs a tensor with at least one dimension")
     if splits is None:
         if x.shape[0] is not None and x.shape[0] % n:
-            raise SplitsError(f"alltoall without splits needs the first dimension ({x.shape[0]}) to "
+            raise ArgumentError(f"alltoall without splits needs the first dimension ({x.shape[0]}) to "
                              f"be divisible by the number of ranks ({n}); pass splits=[rows per rank]")
         sp = tf.fill([n], tf.cast(tf.shape(x)[0] // n, tf.int32))
     else:

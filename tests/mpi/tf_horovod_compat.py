@@ -1,6 +1,6 @@
 """hvd_magic.tensorflow where Horovod's TensorFlow tests need its exact behaviour (2 or 3
 ranks): error classes (FailedPreconditionError on a mismatch, eagerly and in a TF1 session
-graph; InvalidArgumentError on rows that do not split), uint16 through allgather / broadcast /
+graph; InvalidArgumentError on rows that do not split and off a process set), uint16 through allgather / broadcast /
 alltoall, grouped_allreduce with tf.IndexedSlices, Horovod's reducescatter gradient scale,
 broadcast_global_variables, the broadcast gradient in a session graph on every root.
 
@@ -18,7 +18,7 @@ import tensorflow as tf  # noqa: E402
 
 import hvd_magic.tensorflow as hvd  # noqa: E402
 
-hvd.init()
+hvd.init(process_sets="dynamic")   # one check adds a set
 R, N = hvd.rank(), hvd.size()
 FAILS = []
 
@@ -67,6 +67,19 @@ def _():
 def _():
     raises("alltoall rows not divisible", lambda: hvd.alltoall(tf.ones([N + 1])),
            tf.errors.InvalidArgumentError, ValueError)
+
+
+@check("a process set this rank is not in: InvalidArgumentError, also a ValueError")
+def _():
+    first = hvd.add_process_set([0])
+    if R != 0:
+        try:
+            hvd.allreduce(tf.ones([2]), process_set=first)
+            FAILS.append("allreduce off the set did not raise")
+        except tf.errors.InvalidArgumentError as exc:
+            if not isinstance(exc, ValueError) or "process set" not in str(exc):
+                FAILS.append(f"allreduce off the set: {type(exc).__name__}: {exc}")
+    hvd.remove_process_set(first)
 
 
 @check("uint16 through allgather, broadcast, alltoall, grouped_allgather")
