@@ -29,9 +29,10 @@ demo: setup
 	$(PY) -m hvd_magic.demo
 
 # The suite and every notebook (nbval: each runs top to bottom at 2 ranks; cells marked
-# NBVAL_CHECK_OUTPUT are compared after notebooks/sanitize.cfg), one pytest, one exit code.
+# NBVAL_CHECK_OUTPUT are compared after notebooks/sanitize.cfg), one pytest, one exit code;
+# the 15 slowest tests are listed at the end, to keep the suite under CI's 20 minutes.
 test: setup
-	$(PY) -m pytest -q tests --nbval-lax --nbval-sanitize-with notebooks/sanitize.cfg notebooks
+	$(PY) -m pytest -q --durations=15 tests --nbval-lax --nbval-sanitize-with notebooks/sanitize.cfg notebooks
 
 bench: setup
 	$(PY) benchmarks/run_all.py
