@@ -151,3 +151,20 @@ def test_an_elastic_pool_ends_as_before_when_the_cell_does_not_use_elastic_run()
         assert "rank 1" in str(info.value) and not pool.alive()
     finally:
         manager.stop()
+
+
+def test_a_paused_rank_in_an_elastic_pool_still_ends_the_cell_naming_it():
+    # SIGSTOP is no failure to MPI: the others would wait for the rank forever; the pool
+    # tells a paused rank (its process is there) from a dead one and ends as for any pool
+    from hvd_magic.kernel import PoolManager, RankDiedError, TextSink
+    manager = PoolManager()
+    try:
+        pool = manager.ensure(3, None, None, TextSink(), min_np=2)
+        cell = POOL_CELL.replace("signal.SIGKILL", "signal.SIGSTOP")
+        t0 = time.monotonic()
+        with pytest.raises(RankDiedError) as info:
+            pool.run_cell(cell, TextSink(), timeout=60)
+        assert "rank 2" in str(info.value) and time.monotonic() - t0 < 30
+        assert not pool.alive()
+    finally:
+        manager.stop()

@@ -26,8 +26,8 @@ from .output import OutputSink, PoolCellError, PoolCellInterrupted, PoolCellTime
     RankDiedError, RankFailure, n_ranks, ranks_text
 from .plan import HEARTBEAT_MISSES, PoolConfig, PoolPlan, plan_pool
 from .settle import settle
-from .procs import descendants, describe_exit, end_job_first, parse_rank_exits, spawn, \
-    stop_tree, tail
+from .procs import descendants, describe_exit, end_job_first, parse_rank_exits, pids_gone, \
+    spawn, stop_tree, tail
 
 START_TIMEOUT = config.get("HVD_MAGIC_START_TIMEOUT")
 #: Message signatures the pool's client remembers (jupyter_client's default is 65,536).
@@ -324,10 +324,12 @@ class Pool:
             if self.mpiexec.poll() is not None or self.controller.poll() is not None:
                 ar.wait(0.1)          # results already on their way; the job is over
                 return
-            if self.elastic():
-                pass        # a lost rank: the others go on (hvd.elastic.run); ipyparallel
-                            # fails its task once the controller drops it
-            elif self._unheard():
+            silent = self._unheard()
+            if silent and self.elastic() and self.plan.signal_via_pid and pids_gone(
+                    [self.pids.get(r) for r in silent]):
+                pass        # ranks that died: the others go on (hvd.elastic.run); a paused
+                            # or unreachable rank still ends the cell, as below
+            elif silent:
                 return      # a rank went silent (see plan.HEARTBEAT_MISSES): _outcome ends it
             elif self._engine_lost(ar):
                 # one rank is gone: MPI ends the whole job; give mpiexec a moment to say

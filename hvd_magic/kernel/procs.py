@@ -134,6 +134,20 @@ def _gone(proc: "object") -> bool:
         return True
 
 
+def pids_gone(pids: Sequence[Optional[int]]) -> bool:
+    """Whether every one of these local processes has exited (None: unknown, so not gone)."""
+    import psutil
+    for pid in pids:
+        if pid is None:
+            return False
+        try:
+            if not _gone(psutil.Process(pid)):
+                return False
+        except psutil.NoSuchProcess:
+            continue
+    return True
+
+
 @dataclass(frozen=True)
 class RankExit:
     """How a rank ended, as ``mpiexec`` reported it."""
