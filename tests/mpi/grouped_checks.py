@@ -5,8 +5,6 @@ tensor on every rank, and local argument errors.
 
 Exits nonzero with one line per failed check, prefixed by the rank."""
 import os
-import sys
-import traceback
 
 os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "20")   # a bug fails, never hangs
 
@@ -15,30 +13,11 @@ import torch  # noqa: E402
 
 import hvd_magic.collectives as C  # noqa: E402
 import hvd_magic.torch as hvd  # noqa: E402
+from checklib import FAILS, check, close, finish  # noqa: E402
 
 hvd.init()
 R, N = hvd.rank(), hvd.size()
-FAILS = []
 torch.set_num_threads(1)
-
-
-def check(label):
-    def deco(fn):
-        try:
-            fn()
-        except Exception:
-            FAILS.append(f"{label}: raised\n{traceback.format_exc()}")
-        return fn
-    return deco
-
-
-def close(label, a, b, atol=1e-6):
-    a = np.asarray(a.detach() if isinstance(a, torch.Tensor) else a, dtype=np.float64)
-    b = np.asarray(b.detach() if isinstance(b, torch.Tensor) else b, dtype=np.float64)
-    if a.shape != b.shape:
-        FAILS.append(f"{label}: shape {a.shape} != {b.shape}")
-    elif not np.allclose(a, b, atol=atol, rtol=0):
-        FAILS.append(f"{label}: max diff {np.abs(a - b).max():.3g} > {atol}\n{a}\n{b}")
 
 
 def my_share(rows):
@@ -249,9 +228,4 @@ def _():
                  ValueError, "Average")
 
 
-hvd.barrier()
-for f in FAILS:
-    print(f"[rank {R}] FAIL {f}", flush=True)
-print(f"[rank {R}] done, {len(FAILS)} failures", flush=True)
-hvd.shutdown()
-sys.exit(1 if FAILS else 0)
+finish(hvd)

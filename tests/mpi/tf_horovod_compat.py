@@ -7,8 +7,6 @@ broadcast_global_variables, the broadcast gradient in a session graph on every r
 Usage: mpiexec -n N python tf_horovod_compat.py
 Exits nonzero with one line per failed check, prefixed by the rank."""
 import os
-import sys
-import traceback
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "20")   # a bug fails, never hangs
@@ -17,26 +15,10 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import hvd_magic.tensorflow as hvd  # noqa: E402
+from checklib import FAILS, check, close, finish  # noqa: E402
 
 hvd.init(process_sets="dynamic")   # one check adds a set
 R, N = hvd.rank(), hvd.size()
-FAILS = []
-
-
-def check(label):
-    def deco(fn):
-        try:
-            fn()
-        except Exception:
-            FAILS.append(f"{label}: raised\n{traceback.format_exc()}")
-        return fn
-    return deco
-
-
-def close(label, a, b, atol=1e-6):
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    if a.shape != b.shape or not np.allclose(a, b, atol=atol, rtol=0):
-        FAILS.append(f"{label}: {a} != {b}")
 
 
 def raises(label, fn, exc_type, *also):
@@ -155,9 +137,4 @@ def _():
         close("broadcast_global_variables", sess.run(v), [0.0, 1.0])
 
 
-hvd.barrier()
-for f in FAILS:
-    print(f"[rank {R}] FAIL {f}", flush=True)
-print(f"[rank {R}] done, {len(FAILS)} failures", flush=True)
-hvd.shutdown()
-sys.exit(1 if FAILS else 0)
+finish(hvd)

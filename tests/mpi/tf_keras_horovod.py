@@ -8,8 +8,6 @@ session graph (run in build order on every rank).
 Usage: mpiexec -n N python tf_keras_horovod.py
 Exits nonzero with one line per failed check, prefixed by the rank."""
 import os
-import sys
-import traceback
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "20")   # a bug fails, never hangs
@@ -24,27 +22,17 @@ import keras  # noqa: E402
 
 import hvd_magic.keras as hk  # noqa: E402
 import hvd_magic.tensorflow as hvd  # noqa: E402
+from checklib import FAILS, check, close as _close, finish  # noqa: E402
 
 hvd.init()
 R, N = hvd.rank(), hvd.size()
-FAILS = []
-MEAN = (N + 1) / 2          # mean over ranks of (rank + 1)
-
-
-def check(label):
-    def deco(fn):
-        try:
-            fn()
-        except Exception:
-            FAILS.append(f"{label}: raised\n{traceback.format_exc()}")
-        return fn
-    return deco
 
 
 def close(label, a, b, atol=1e-5):
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    if a.shape != b.shape or not np.allclose(a, b, atol=atol, rtol=0):
-        FAILS.append(f"{label}: {a.tolist()} != {b.tolist()}")
+    _close(label, a, b, atol)
+
+
+MEAN = (N + 1) / 2          # mean over ranks of (rank + 1)
 
 
 @check("compute_gradients + apply_gradients reduce once")
@@ -201,9 +189,4 @@ def _():
     close("graph broadcast", got[-1], np.zeros(3))
 
 
-hvd.barrier()
-for f in FAILS:
-    print(f"[rank {R}] FAIL {f}", flush=True)
-print(f"[rank {R}] done, {len(FAILS)} failures", flush=True)
-hvd.shutdown()
-sys.exit(1 if FAILS else 0)
+finish(hvd)

@@ -4,34 +4,17 @@ on an optimizer without state. Every rank computes the single-process reference 
 
 Exits nonzero with one line per failed check, prefixed by the rank."""
 import os
-import sys
-import traceback
 
 os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "20")   # a bug fails, never hangs
 
 import torch  # noqa: E402
 
 import hvd_magic.torch as hvd  # noqa: E402
+from checklib import FAILS, check, close, finish  # noqa: E402
 
 hvd.init()
 R, N = hvd.rank(), hvd.size()
-FAILS = []
 torch.set_num_threads(1)
-
-
-def check(label):
-    def deco(fn):
-        try:
-            fn()
-        except Exception:
-            FAILS.append(f"{label}: raised\n{traceback.format_exc()}")
-        return fn
-    return deco
-
-
-def close(label, a, b, atol=1e-6):
-    if not torch.allclose(a, b, atol=atol, rtol=0):
-        FAILS.append(f"{label}: max diff {(a - b).abs().max().item():.3g} > {atol}")
 
 
 class Net(torch.nn.Module):
@@ -126,9 +109,4 @@ def _():
     close("same grads on every rank", hvd.broadcast(w.grad, root_rank=0), w.grad, 0.0)
 
 
-hvd.barrier()
-for f in FAILS:
-    print(f"[rank {R}] FAIL {f}", flush=True)
-print(f"[rank {R}] done, {len(FAILS)} failures", flush=True)
-hvd.shutdown()
-sys.exit(1 if FAILS else 0)
+finish(hvd)
