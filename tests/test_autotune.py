@@ -53,6 +53,15 @@ def test_a_sample_ends_when_a_tensor_comes_round_steps_per_sample_more_times():
     assert tuner.samples and len(tuner.samples) == SAMPLES - 1
 
 
+def test_with_both_knobs_set_every_rank_says_there_is_nothing_to_tune():
+    from hvd_magic.collectives.autotune import for_engine
+    from hvd_magic.collectives.config import Config
+    cfg = Config(autotune=True, autotune_fixed=("fusion", "cycle"))
+    for rank in (0, 1):
+        tuner, status = for_engine(cfg, rank, 0)
+        assert tuner is None and status["active"] is False
+
+
 def test_max_trials_caps_the_search():
     tuner = Tuner(Setting(64.0, 0.0), warmups=0, steps_per_sample=1, max_trials=3)
     run_search(tuner, Setting(64.0, 1.0))

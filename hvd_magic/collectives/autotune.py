@@ -46,10 +46,6 @@ class Setting:
     fusion_mb: float
     cycle_ms: float
 
-    def describe(self) -> str:
-        return f"fusion {self.fusion_mb:g} MiB, cycle {self.cycle_ms:g} ms"
-
-
 class Tuner:
     """Rank 0's search (pure: no clock, no MPI; rows go to ``log``).
 
@@ -166,19 +162,16 @@ def for_engine(cfg: Any, rank: int, set_id: int) -> Tuple[Optional[Tuner], Optio
     if not cfg.autotune or set_id != 0:
         return None, None
     start = Setting(cfg.fusion_threshold / MB, cfg.cycle_time_s * 1000.0)
-    status = {"active": True, "trial": 1, "fusion_mb": start.fusion_mb, "cycle_ms": start.cycle_ms}
-    if rank != 0:
+    tunes = not {"fusion", "cycle"} <= set(cfg.autotune_fixed)   # (both set: nothing to try)
+    status = status_of((start.fusion_mb, start.cycle_ms, tunes, 1))
+    if rank != 0 or not tunes:
         return None, status
     log = csv_writer(cfg.autotune_log) if cfg.autotune_log else None
-    tuner = Tuner(start, tune_fusion="fusion" not in cfg.autotune_fixed,
-                  tune_cycle="cycle" not in cfg.autotune_fixed, warmups=cfg.autotune_warmups,
-                  steps_per_sample=cfg.autotune_steps_per_sample,
-                  max_trials=cfg.autotune_max_trials, cache_enabled=cfg.cache_capacity > 0,
-                  log=log)
-    if not tuner.active:                 # both knobs fixed: nothing to try
-        status["active"] = False
-        return None, status
-    return tuner, status
+    return Tuner(start, tune_fusion="fusion" not in cfg.autotune_fixed,
+                 tune_cycle="cycle" not in cfg.autotune_fixed, warmups=cfg.autotune_warmups,
+                 steps_per_sample=cfg.autotune_steps_per_sample,
+                 max_trials=cfg.autotune_max_trials, cache_enabled=cfg.cache_capacity > 0,
+                 log=log), status
 
 
 def carried(responses: list) -> Iterator[Tuple[str, int]]:
@@ -203,6 +196,12 @@ def apply(msg: tuple, cfg: Any, tuner: Optional[Tuner], now: float) -> dict:
     cfg.cycle_time_s = cycle_ms / 1000.0
     if tuner is not None:
         tuner.applied(now)
+    return status_of(msg)
+
+
+def status_of(msg: tuple) -> dict:
+    """A setting message as ``autotune_status()`` shows it."""
+    fusion_mb, cycle_ms, active, trial = msg
     return {"active": bool(active), "trial": trial, "fusion_mb": fusion_mb, "cycle_ms": cycle_ms}
 
 
