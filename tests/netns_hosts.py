@@ -180,10 +180,15 @@ def _checkout_under_tmp() -> str:
 class TwoHosts:
     """Namespaces A and B joined by a veth pair, plus the agent; see the module docstring."""
 
-    def __init__(self, tag: Optional[str] = None) -> None:
+    def __init__(self, tag: Optional[str] = None, subnet: str = SUBNET,
+                 prefix: str = "hvd") -> None:
+        """``subnet``: a /24 whose .1 and .2 the hosts get; ``prefix``: of the namespace
+        names (``{prefix}A-{tag}``), so that tests of several modules never share names."""
         tag = tag or str(os.getpid())
-        self.a = NetnsHost(f"hvdA-{tag}", "10.231.0.1", f"hvA{tag}"[:15])
-        self.b = NetnsHost(f"hvdB-{tag}", "10.231.0.2", f"hvB{tag}"[:15])
+        base = subnet.split("/")[0].rsplit(".", 1)[0]
+        self.subnet = subnet
+        self.a = NetnsHost(f"{prefix}A-{tag}", f"{base}.1", f"{prefix[:-1]}A{tag}"[:15])
+        self.b = NetnsHost(f"{prefix}B-{tag}", f"{base}.2", f"{prefix[:-1]}B{tag}"[:15])
         self.hosts = (self.a, self.b)
         self.dir = ""
         self.shared = ""                     # a directory both hosts see

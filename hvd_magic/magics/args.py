@@ -16,8 +16,10 @@ CELL_USAGE = ("%%hvd [-np N] [-H host1:4,host2:4 | --hostfile FILE] [--oversubsc
               "[--min-np N] [--ranks 0,2 | --rank 0] "
               "[--timeout SECONDS] [--no-stream] [--out NAME]")
 LINE_USAGE = ("%hvd status | stop | restart | push NAME... [--ranks 0,2] | "
-              "pull NAME [--rank R] | start [-np N] [-H HOSTS | --hostfile F]")
-SUBCOMMANDS = ("status", "stop", "restart", "push", "pull", "start")
+              "pull NAME [--rank R] | start [-np N] [-H HOSTS | --hostfile F] | export PATH | "
+              "doctor [-np N] [-H HOSTS | --hostfile F] [--model-bytes B | --model NAME] "
+              "[--step-time S] [--network-interface IF]")
+SUBCOMMANDS = ("status", "stop", "restart", "push", "pull", "start", "export", "doctor")
 
 
 class HvdUsageError(ValueError):
@@ -49,6 +51,7 @@ class LineRequest:
     rank: Optional[int] = None
     ranks: Optional[List[int]] = None
     pool: CellRequest = field(default_factory=CellRequest)
+    doctor: dict = field(default_factory=dict)   # %hvd doctor's model/step/interface options
 
 
 class _Parser(argparse.ArgumentParser):
@@ -181,6 +184,34 @@ def check_ranks(req: CellRequest, size: Optional[int] = None) -> None:
             raise HvdUsageError(f"rank(s) {bad} do not exist in a pool of {n} ranks (0..{n - 1})")
 
 
+def _doctor_options(p: argparse.ArgumentParser) -> None:
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--model-bytes", dest="model_bytes", default=None)
+    model.add_argument("--model", dest="model", default=None)
+    p.add_argument("--step-time", dest="step_time", default=None)
+    p.add_argument("--network-interface", dest="network_interface", default=None)
+
+
+def _doctor_fields(ns: argparse.Namespace) -> dict:
+    out: dict = {"model": ns.model, "network_interface": ns.network_interface}
+    if ns.model is not None and not ns.model.isidentifier():
+        raise HvdUsageError(f"--model {ns.model!r}: give the name of a torch model variable")
+    for key, flag in (("model_bytes", "--model-bytes"), ("step_time", "--step-time")):
+        text = getattr(ns, key)
+        if text is None:
+            out[key] = None
+            continue
+        try:
+            value = float(text)
+        except ValueError:
+            value = -1.0
+        if not value > 0:
+            raise HvdUsageError(f"{flag} {text!r}: give a number > 0, e.g. --model-bytes 2e6 "
+                                "(gradient bytes per step) --step-time 0.05 (seconds)")
+        out[key] = value
+    return out
+
+
 def parse_line_args(line: str) -> LineRequest:
     """``%hvd`` arguments -> :class:`LineRequest` (raises :class:`HvdUsageError`)."""
     words = _split(line, LINE_USAGE)
@@ -198,6 +229,18 @@ def parse_line_args(line: str) -> LineRequest:
     elif command in ("restart", "start"):
         _pool_options(p)
         _pool_fields(p.parse_args(rest), req.pool)
+    elif command == "export":
+        p.add_argument("names", nargs="*")
+        req.names = list(p.parse_args(rest).names)
+        if len(req.names) != 1:
+            raise HvdUsageError("%hvd export takes one file name, e.g. %hvd export train.py")
+        return req
+    elif command == "doctor":
+        _pool_options(p)
+        _doctor_options(p)
+        ns = p.parse_args(rest)
+        _pool_fields(ns, req.pool)
+        req.doctor = _doctor_fields(ns)
     elif command == "push":
         p.add_argument("names", nargs="*")
         p.add_argument("--ranks", default=None)

@@ -44,6 +44,8 @@ class HvdMagics(Magics):
         self.manager = manager
         self.auto_line: Optional[str] = None     # %%hvd arguments while %autohvd is on
         self.last_cell: Optional[str] = None     # what `%hvd scale` re-runs without a cell
+        self.history: List[Dict[str, Any]] = []  # %%hvd cells, pushes, ...: for %hvd export
+        self._where: Dict[str, Any] = {}         # the pool's -H/--hostfile, for %hvd export
 
     def _sink(self, stream: bool = True) -> Any:
         factory = type(self).sink_factory       # through the class: a plain function stays unbound
@@ -76,7 +78,9 @@ class HvdMagics(Magics):
         sink = self._sink(req.stream)
         pool = self._pool_for(req, sink)
         self.last_cell = cell
+        record = self._record_cell(req, line, cell, pool)
         outcome = pool.run_cell(cell, sink, ranks=req.ranks, timeout=req.timeout)
+        record["ok"] = True          # it raised otherwise (and stays marked as failed)
         if req.out:
             values = pool.result_values(outcome.ranks)
             self.shell.user_ns[req.out] = dict(zip(outcome.ranks, values))
@@ -102,6 +106,17 @@ class HvdMagics(Magics):
             raise _usage(exc) from None
         return getattr(self, f"_cmd_{req.command}")(req)
 
+    def _record_cell(self, req: CellRequest, line: str, cell: str, pool: Any) -> Dict[str, Any]:
+        from ..runner.export import cell_record
+        if req.np is not None or req.hosts is not None or req.hostfile is not None:
+            hosts = ",".join(f"{h.name}:{h.slots}" for h in req.hosts) if req.hosts else None
+            self._where = {"hosts": hosts, "hostfile": req.hostfile,
+                           "slurm": getattr(req, "slurm", None) or None}
+        record = cell_record(line, cell, getattr(pool, "size", None) or req.np or 1, False,
+                             **self._where)
+        self.history.append(record)
+        return record
+
     def _scale(self, line: str, cell: Optional[str]) -> Any:
         """``%%hvd scale --np 1,2,4`` (or ``%hvd scale ...`` for the last %%hvd cell): run the
         cell at each pool size; plot throughput and efficiency against ranks."""
@@ -123,6 +138,7 @@ class HvdMagics(Magics):
             raise UsageError("%hvd scale: no %%hvd cell has run yet; put the code in the cell: "
                              "%%hvd scale --np 1,2,4")
         from ..widgets import scale
+        self.history.append({"kind": "scale", "nps": nps, "source": code})
         try:
             return scale(self.manager, code, nps)
         except (ValueError, TypeError) as exc:
@@ -137,6 +153,7 @@ class HvdMagics(Magics):
         print(render_status(pool.status()))
 
     def _cmd_stop(self, _req: Any) -> None:
+        self.history.append({"kind": "stop"})
         print("hvd: pool stopped" if self.manager.stop() else "hvd: no pool was running")
 
     def _cmd_start(self, req: Any) -> None:
@@ -144,6 +161,7 @@ class HvdMagics(Magics):
 
     def _cmd_restart(self, req: Any) -> None:
         self.manager.stop()          # then start for the request, or the last one
+        self.history.append({"kind": "restart"})
         self._pool_for(req.pool, _status_sink())
 
     def _require_pool(self) -> Any:
@@ -157,6 +175,8 @@ class HvdMagics(Magics):
         missing = [n for n in req.names if n not in self.shell.user_ns]
         if missing:
             raise UsageError(f"%hvd push: {missing} not defined in this notebook")
+        from ..runner.export import push_record
+        self.history.append(push_record(req.names, self.shell.user_ns, req.ranks))
         try:
             pool.push({n: self.shell.user_ns[n] for n in req.names}, req.ranks)
         except ValueError as exc:
@@ -174,7 +194,52 @@ class HvdMagics(Magics):
         except Exception as exc:  # noqa: BLE001 - NameError on a rank, shown plainly
             raise UsageError(f"%hvd pull {name}: {_remote(exc)}") from None
         self.shell.user_ns[name] = values[0] if req.rank is not None else values
+        self.history.append({"kind": "pull", "names": [name]})
         return None
+
+    def _cmd_export(self, req: Any) -> None:
+        """``%hvd export PATH``: this session's %%hvd cells as a script for hvdrun."""
+        from ..runner.export import build_script
+        path = req.names[0]
+        try:
+            made = build_script(self.history, path)
+        except ValueError as exc:
+            raise _usage(exc) from None
+        try:
+            with open(path, "w") as fh:
+                fh.write(made.script)
+        except OSError as exc:
+            raise UsageError(f"%hvd export: cannot write {path}: {exc}") from None
+        cells = sum(1 for r in self.history if r.get("kind") in ("cell", "scale"))
+        print(f"hvd: wrote {cells} cell(s) to {path}; run it with:\n  {made.command}")
+        for note in made.notes:
+            print(f"  note: {note}")
+
+    def _cmd_doctor(self, req: Any) -> Any:
+        """``%hvd doctor ...``: a pre-flight check of the pool these arguments would start."""
+        from ..runner.doctor_run import run_doctor
+        from ..widgets.doctor import show_report
+        model_bytes = req.doctor.get("model_bytes")
+        model_name = req.doctor.get("model")
+        if model_name is not None:
+            if model_name not in self.shell.user_ns:
+                raise UsageError(f"%hvd doctor --model {model_name}: no such variable in this "
+                                 "notebook; give a torch model's name or --model-bytes B")
+            from ..runner.doctor import gradient_bytes
+            try:
+                model_bytes = gradient_bytes(self.shell.user_ns[model_name])
+            except (TypeError, ValueError) as exc:
+                raise _usage(exc) from None
+        try:
+            report = run_doctor(req.pool.np or self.manager.default_np(), req.pool.hosts,
+                                req.pool.hostfile, model_bytes=model_bytes,
+                                step_time=req.doctor.get("step_time"),
+                                network_interface=req.doctor.get("network_interface"))
+        except (ValueError, TypeError) as exc:
+            raise _usage(exc) from None
+        show_report(report)
+        return None
+
 
     # ------------------------------------------------------------------ %autohvd
     @line_magic

@@ -1,0 +1,71 @@
+"""``%hvd doctor``'s report as a widget (an HTML table in a Jupyter kernel with ipywidgets),
+else as text. :func:`report_html` is pure; :func:`show_report` displays."""
+from __future__ import annotations
+
+import html
+from typing import Any, List
+
+from ..runner.doctor import Report, gbit, render_text
+
+OK, BAD = "#2e7d32", "#c62828"
+
+
+def _row(cells: List[str], head: bool = False) -> str:
+    tag = "th" if head else "td"
+    return "<tr>" + "".join(f'<{tag} style="padding:2px 8px;text-align:left">{c}</{tag}>'
+                            for c in cells) + "</tr>"
+
+
+def _badge(ok: bool, text: str) -> str:
+    return (f'<span style="background:{OK if ok else BAD};color:white;border-radius:3px;'
+            f'padding:0 5px">{html.escape(text)}</span>')
+
+
+def report_html(rep: Report) -> str:
+    """The report as one HTML fragment: verdict, versions, links, GPUs, prediction."""
+    e = html.escape
+    out = [f'<div style="font:13px sans-serif"><b>hvd doctor</b>: {rep.np} ranks on '
+           f'{len(rep.hosts)} host(s) ' + _badge(not rep.problems, "ready" if not rep.problems
+                                                else f"{len(rep.problems)} problem(s)")]
+    out.append("<table>" + _row(["host", "ranks", "GPUs"], head=True))
+    for host, ranks in rep.hosts.items():
+        gpus = "; ".join(f"rank {r}: {rep.gpus.get(r, '?')}" for r in ranks)
+        out.append(_row([e(host), e(str(ranks)), e(gpus)]))
+    out.append("</table><table>" + _row(["package", "versions"], head=True))
+    for pkg, seen in rep.versions.items():
+        text = "; ".join(v if len(seen) == 1 else f"{v} (ranks {rs})" for v, rs in seen.items())
+        out.append(_row([_badge(len(seen) == 1, pkg), e(text)]))
+    out.append("</table>")
+    if rep.links or rep.allreduce:
+        out.append("<table>" + _row(["link", "interface", "bandwidth", "latency"], head=True))
+        for k in rep.links:
+            out.append(_row([e(f"{k.a} - {k.b}"), e(k.interface), gbit(k.bandwidth),
+                             f"{k.latency * 1e6:.0f} us"]))
+        if rep.allreduce:
+            out.append(_row([f"allreduce, {rep.np} ranks", e(rep.mpi_interface),
+                             gbit(rep.allreduce["bandwidth"]),
+                             f"{rep.allreduce['latency'] * 1e6:.0f} us"]))
+        out.append("</table>")
+    p = rep.prediction
+    if p:
+        out.append(f"<p>Predicted scaling efficiency at {int(p['n'])} ranks: "
+                   f"<b>{p['efficiency']:.2f}</b> ({p['model_bytes'] / 1e6:.2f} MB of gradients, "
+                   f"{p['step_time'] * 1e3:.1f} ms/step on one rank, allreduce "
+                   f"{p['allreduce_time'] * 1e3:.1f} ms; ideal ring "
+                   f"{p['ring_efficiency']:.2f})</p>")
+    out += [f"<p>note: {e(t)}</p>" for t in rep.notes]
+    out += [f'<p style="color:{BAD}">problem: {e(t)}</p>' for t in rep.problems]
+    return "".join(out) + "</div>"
+
+
+def show_report(rep: Report) -> Any:
+    """An ipywidgets HTML in a Jupyter kernel with ipywidgets, plain text elsewhere."""
+    from .sink import widgets_available
+    if widgets_available():
+        import ipywidgets
+        from IPython.display import display
+        w = ipywidgets.HTML(report_html(rep))
+        display(w)
+        return w
+    print(render_text(rep))
+    return None

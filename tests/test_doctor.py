@@ -1,0 +1,193 @@
+"""%hvd doctor: the pure analysis and prediction, the probe on 2 and 3 real ranks, and a real
+check on two namespace hosts whose link is shaped to 1 Gbit/s with tc's tbf."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hvd_magic.magics.args import HvdUsageError, parse_line_args
+from hvd_magic.runner import doctor as D
+from hvd_magic.runner.doctor_probe import PREFIX
+from mpi_harness import mpirun
+
+SUBNET = "10.233.0.0/24"
+PY = sys.executable
+
+
+# ---------------------------------------------------------------- pure parts
+
+def test_ring_allreduce_time_is_the_documented_model():
+    # 2(n-1)/n * B / bw + 2(n-1) * lat
+    assert D.ring_allreduce_time(1e6, 4, 1e9, 1e-5) == pytest.approx(1.5e-3 + 6e-5)
+    assert D.ring_allreduce_time(1e6, 1, 1e9, 1e-5) == 0.0
+
+
+def test_prediction_of_the_seeds_slow_network():
+    # 25 MB of gradients, 0.1 s steps, 2 hosts on 10 Gbit/s and 50 us -> 0.83
+    p = D.predict_efficiency(25e6, 0.1, 2, 1.25e9, 50e-6)
+    assert p["allreduce_time"] == pytest.approx(0.0201)
+    assert p["efficiency"] == pytest.approx(0.1 / 0.1201)
+    with pytest.raises(ValueError, match="must be > 0"):
+        D.predict_efficiency(0, 0.1, 2, 1e9, 0)
+
+
+def test_pingpong_fit_recovers_bandwidth_and_latency():
+    bw, lat = 1.25e8, 40e-6
+    sizes = [8, 1 << 16, 1 << 20, 4 << 20]
+    bw_fit, lat_fit = D.link_from_pingpong(sizes, [lat + s / bw for s in sizes])
+    assert bw_fit == pytest.approx(bw) and lat_fit == pytest.approx(lat, rel=1e-3)
+    with pytest.raises(ValueError, match="at least 3"):
+        D.link_from_pingpong([1, 2], [1.0, 2.0])
+
+
+def test_allreduce_fit_inverts_the_ring_model():
+    sizes = [4096, 65536, 1 << 20, 4 << 20]
+    times = [D.ring_allreduce_time(s, 3, 2e9, 1e-5) for s in sizes]
+    fit = D.fit_allreduce(sizes, times, 3)
+    assert fit["bandwidth"] == pytest.approx(2e9) and fit["latency"] == pytest.approx(1e-5)
+
+
+def _probe(ranks, pairs=(), sweep=None):
+    return {"ranks": ranks, "pairs": list(pairs), "mpi_interface": "x",
+            "allreduce": sweep or {"sizes": [], "times_s": []}}
+
+
+def _rank(r, host, **pk):
+    packages = {"hvd_magic": "0.1", "torch": "2.13", "tensorflow": None, "mpi4py": "4.1",
+                "numpy": "2.4"}
+    packages.update(pk)
+    return {"rank": r, "host": host, "python": "3.11.7", "packages": packages,
+            "gpus": "none", "addresses": {}}
+
+
+def test_analyse_flags_version_mismatch_and_predicts():
+    sizes = [8, 1 << 16, 1 << 20, 4 << 20]
+    pair = {"a": "h0", "b": "h1", "sizes": sizes, "one_way_s": [1e-5 + s / 1.25e8 for s in sizes],
+            "interface": "eth0 (10.0.0.1)"}
+    rep = D.analyse(_probe([_rank(0, "h0"), _rank(1, "h1", torch="2.12")], [pair]),
+                    model_bytes=2e6, step_time=0.05)
+    assert rep.hosts == {"h0": [0], "h1": [1]}
+    assert len(rep.problems) == 1 and "torch differs" in rep.problems[0]
+    assert "2.12 on ranks [1]" in rep.problems[0]
+    assert rep.links[0].bandwidth == pytest.approx(1.25e8)
+    assert rep.prediction["efficiency"] == pytest.approx(0.05 / (0.05 + 2e6 / 1.25e8 + 2e-5))
+    text = D.render_text(rep)
+    assert "1.00 Gbit/s" in text and "BAD torch" in text and "problem(s) to fix" in text
+    from hvd_magic.widgets.doctor import report_html
+    assert "1.00 Gbit/s" in report_html(rep) and "torch" in report_html(rep)
+
+
+def test_analyse_asks_for_both_model_inputs():
+    rep = D.analyse(_probe([_rank(0, "h"), _rank(1, "h")]), model_bytes=1e6)
+    assert rep.prediction is None and any("--step-time" in n for n in rep.notes)
+
+
+def test_gradient_bytes_of_a_torch_model():
+    torch = pytest.importorskip("torch")
+    m = torch.nn.Linear(10, 5)            # 55 float32 parameters
+    assert D.gradient_bytes(m) == 220.0
+    with pytest.raises(TypeError, match="parameters"):
+        D.gradient_bytes(3)
+
+
+def test_doctor_line_args():
+    req = parse_line_args("doctor -np 4 -H a:2,b:2 --model-bytes 2e6 --step-time 0.05")
+    assert req.pool.np == 4 and req.doctor["model_bytes"] == 2e6
+    assert parse_line_args("doctor --model net").doctor["model"] == "net"
+    for bad in ("doctor --step-time 0", "doctor --model-bytes 1 --model m", "doctor --model 1x"):
+        with pytest.raises(HvdUsageError):
+            parse_line_args(bad)
+
+
+# ---------------------------------------------------------------- the probe on real ranks
+
+@pytest.mark.parametrize("np", [2, 3])
+def test_probe_on_one_host(np):
+    proc = mpirun("doctor_probe.py", np, timeout=60)
+    found = [json.loads(ln[len(PREFIX):]) for ln in proc.stdout.splitlines()
+             if ln.startswith(PREFIX)]
+    assert len(found) == 1, proc.stdout
+    rep = D.analyse(found[0], model_bytes=2e6, step_time=0.05)
+    assert rep.np == np and len(rep.hosts) == 1 and not rep.problems
+    assert rep.versions["python"] == {sys.version.split()[0]: list(range(np))}
+    assert rep.allreduce["bandwidth"] > 1e8            # shared memory: well over 1 Gbit/s
+    assert 0 < rep.prediction["efficiency"] <= 1
+
+
+# ---------------------------------------------------------------- two shaped namespace hosts
+
+@pytest.fixture(scope="module")
+def shaped_hosts():
+    import netns_hosts
+    why = netns_hosts.unusable_reason()
+    if why:
+        pytest.skip(why)
+    if subprocess.run(["which", "tc"], capture_output=True).returncode != 0:
+        pytest.skip("`tc` (iproute2) is not installed: the link cannot be shaped")
+    netns_hosts.clean_stale(("hvddA-", "hvddB-"))
+    hosts = netns_hosts.TwoHosts(subnet=SUBNET, prefix="hvdd").create()
+    try:
+        for h in hosts.hosts:
+            subprocess.run(["ip", "netns", "exec", h.ns, "tc", "qdisc", "add", "dev",
+                            netns_hosts.IFNAME, "root", "tbf", "rate", "1gbit", "burst", "128kb",
+                            "latency", "50ms"], check=True, capture_output=True)
+        yield hosts
+    finally:
+        hosts.destroy()
+
+
+def _tcp_latency(hosts) -> float:
+    """One-way latency of a TCP echo between the hosts' Python processes (no MPI)."""
+    server = subprocess.Popen(
+        ["ip", "netns", "exec", hosts.b.ns, PY, "-c",
+         "import socket; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);"
+         f"s.bind(('{hosts.b.ip}', 47011)); s.listen(1); print('up', flush=True); c,_=s.accept();"
+         "c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)\n"
+         "while True:\n d=c.recv(8)\n if not d: break\n c.sendall(d)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "up"
+        client = subprocess.run(
+            ["ip", "netns", "exec", hosts.a.ns, PY, "-c",
+             "import socket,time,statistics; c=socket.create_connection(('"
+             f"{hosts.b.ip}', 47011)); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)\n"
+             "t=[]\nfor i in range(300):\n s=time.perf_counter(); c.sendall(b'x'*8); c.recv(8);"
+             " t.append(time.perf_counter()-s)\nprint(statistics.median(t[50:])/2)"],
+            capture_output=True, text=True, timeout=30)
+        return float(client.stdout.strip())
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_doctor_on_two_hosts_with_a_1_gbit_link(shaped_hosts):
+    h = shaped_hosts
+    # Both "hosts" share this machine's cores: Open MPI's default binding would put each
+    # host's rank on core 0 of the same CPU, and they would take turns (4 ms "latency").
+    env = h.env(OMPI_MCA_btl="self,tcp", PRTE_MCA_hwloc_default_binding_policy="none")
+    t0 = time.monotonic()
+    proc = h.run([PY, "-m", "hvd_magic.runner.doctor_run", "--json", "-np", "2", "-H",
+                  h.hosts_arg, "--network-interface", SUBNET, "--model-bytes", "1.96e6",
+                  "--step-time", "0.05"], env=env, timeout=60)
+    took = time.monotonic() - t0
+    why = f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}\nagent:\n{h.agent_calls()}"
+    assert proc.returncode == 0, why
+    rep = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert sorted(rep["hosts"]) == [h.a.ns, h.b.ns], why
+    (link,) = rep["links"]
+    assert link["interface"].startswith("hvd0"), why
+    assert link["bandwidth"] == pytest.approx(1e9 / 8, rel=0.2), why
+    # latency cannot be shaped here (no netem): it must agree with a plain TCP echo
+    tcp = _tcp_latency(h)
+    assert tcp / 4 < link["latency"] < tcp * 4, (link["latency"], tcp)
+    assert 0 < rep["prediction"]["efficiency"] < 1
+    assert took < 30, took
+    print(f"doctor: {link['bandwidth'] * 8 / 1e9:.3f} Gbit/s, latency {link['latency'] * 1e6:.0f}"
+          f" us (TCP echo {tcp * 1e6:.0f} us), {took:.1f} s")
