@@ -304,3 +304,14 @@ def test_digits_converges_at_2_ranks():
     proc = mpirun("tf_digits.py", 2, env=TF_ENV, timeout=120)
     acc = [float(ln.split()[1]) for ln in proc.stdout.splitlines() if ln.startswith("accuracy")]
     assert acc and acc[0] > 0.9, proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("np_", [2, 3])
+def test_legacy_keras_under_mpi(np_):
+    """TF_USE_LEGACY_KERAS=1 (tf.keras is tf_keras, Keras 2): model.fit with DistributedOptimizer
+    and the callbacks == single-process SGD, same weights on every rank; legacy optimizers,
+    gradient aggregation, DistributedGradientTape with opt.variables() (tf_legacy_keras.py)."""
+    pytest.importorskip("tf_keras")
+    proc = mpirun("tf_legacy_keras.py", np_, env=TF_ENV, timeout=180)
+    assert proc.stdout.count("done, 0 failures") == np_, proc.stdout

@@ -1,4 +1,5 @@
-"""``horovod.tensorflow.keras`` for hvd_magic: Keras 3 on the TensorFlow backend (>= 2.16)::
+"""``horovod.tensorflow.keras`` for hvd_magic: ``tf.keras`` on TensorFlow >= 2.16, that is Keras 3
+(the default), or Keras 2 (``pip install tf-keras``, ``TF_USE_LEGACY_KERAS=1``)::
 
     import keras
     import hvd_magic.keras as hvd
@@ -13,14 +14,16 @@
               verbose=1 if hvd.rank() == 0 else 0)
 
 The collectives are those of :mod:`hvd_magic.tensorflow` (tf.Tensor in, tf.Tensor out).
+``DistributedOptimizer`` wraps Keras 3 and Keras 2 optimizers alike; the callbacks subclass
+the Callback of the Keras that ``tf.keras`` is.
 """
 from __future__ import annotations
 
 from typing import Any, Optional
 
-from hvd_magic.tensorflow._compat import import_keras, import_tf
+from hvd_magic.tensorflow._compat import import_tf, import_tf_keras
 
-import_keras()   # ImportError with what to install / which backend to pick
+import_tf_keras()   # ImportError with what to install / which backend to pick
 tf = import_tf()
 
 import hvd_magic.tensorflow as _tf_face  # noqa: E402
@@ -38,8 +41,9 @@ from hvd_magic.tensorflow import (Adasum, Average, Compression, Compressor,  # n
                                   start_timeline, stop_timeline)
 
 from . import callbacks, elastic  # noqa: E402
+from .callbacks import optimizer_built as _optimizer_built  # noqa: E402
 from .optimizer import (DistributedOptimizer, PartialDistributedOptimizer,  # noqa: E402
-                        is_distributed)
+                        is_distributed, keras_optimizer_types as _optimizer_types)
 
 
 def allreduce(value: Any, name: Optional[str] = None, average: Optional[bool] = None,
@@ -73,14 +77,14 @@ def reducescatter(value: Any, name: Optional[str] = None, op: Any = Average) -> 
 
 def broadcast_global_variables(root_rank: int = 0, model: Any = None) -> None:
     """Overwrite every rank's ``model`` variables (and its optimizer's) with ``root_rank``'s.
-    Keras 3 has no global variable collection, so the model must be given."""
+    TensorFlow 2's Keras has no global variable collection, so the model must be given."""
     if model is None:
-        raise ValueError("broadcast_global_variables needs the model in Keras 3 (there is no "
+        raise ValueError("broadcast_global_variables needs the model in TensorFlow 2 (there is no "
                          "global variable collection): broadcast_global_variables(0, model=model), "
                          "or use hvd.callbacks.BroadcastGlobalVariablesCallback(0) in fit()")
     broadcast_variables(model.variables, root_rank)
     opt = getattr(model, "optimizer", None)
-    if opt is not None and getattr(opt, "built", False):
+    if opt is not None and _optimizer_built(opt):
         broadcast_variables(opt.variables, root_rank)
 
 
@@ -95,15 +99,15 @@ def load_model(filepath: Any, custom_optimizers: Optional[list] = None,
     Every rank may load the same file; or load on rank 0 and broadcast with
     ``BroadcastGlobalVariablesCallback``.
     """
-    keras = import_keras()
+    keras = import_tf_keras()
     objects = dict(custom_objects or {})
     for cls in custom_optimizers or []:
-        if not (isinstance(cls, type) and issubclass(cls, keras.optimizers.Optimizer)):
+        if not (isinstance(cls, type) and issubclass(cls, _optimizer_types())):
             raise TypeError(f"custom_optimizers takes Keras optimizer classes, got {cls!r}")
         objects.setdefault(cls.__name__, cls)
     model = keras.models.load_model(filepath, custom_objects=objects or None)
     opt = getattr(model, "optimizer", None)
-    if opt is not None and isinstance(opt, keras.optimizers.Optimizer) and not is_distributed(opt):
+    if opt is not None and isinstance(opt, _optimizer_types()) and not is_distributed(opt):
         model.optimizer = DistributedOptimizer(opt, compression=compression)
         model.train_function = None   # rebuild the train step around the wrapped optimizer
     return model

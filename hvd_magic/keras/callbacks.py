@@ -1,4 +1,5 @@
-"""Keras 3 callbacks of ``horovod.tensorflow.keras.callbacks``::
+"""The callbacks of ``horovod.tensorflow.keras.callbacks``, subclasses of ``tf.keras``'s Callback
+(Keras 3; or Keras 2, ``tf_keras``, under ``TF_USE_LEGACY_KERAS=1``)::
 
     callbacks = [
         hvd.callbacks.BroadcastGlobalVariablesCallback(0),   # every rank starts from rank 0
@@ -17,12 +18,13 @@ from typing import Any, Callable, Optional, Union
 import numpy as np
 
 import hvd_magic.collectives as C
-from hvd_magic.tensorflow._compat import import_keras, import_tf
+from hvd_magic.tensorflow._compat import import_keras, import_tf, import_tf_keras
 from hvd_magic.tensorflow.functions import broadcast_variables
 from hvd_magic.tensorflow.gradient_aggregation import var_key
 
 tf = import_tf()
-keras = import_keras()
+keras = import_tf_keras()     # the Keras whose fit() runs these callbacks
+_VARIABLE_TYPES = (tf.Variable, import_keras().Variable)
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
@@ -60,7 +62,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     def _broadcast_optimizer(self) -> None:
         opt = getattr(self.model, "optimizer", None)
-        if opt is not None and getattr(opt, "built", False) and not self._optimizer_done:
+        if opt is not None and optimizer_built(opt) and not self._optimizer_done:
             broadcast_variables(opt.variables, self.root_rank)
             self._optimizer_done = True
 
@@ -78,7 +80,17 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
 
 def _is_variable(v: Any) -> bool:
-    return isinstance(v, (tf.Variable, keras.Variable))
+    return isinstance(v, _VARIABLE_TYPES)
+
+
+def optimizer_built(opt: Any) -> bool:
+    """True once ``opt`` has made its variables (slots): Keras 3's ``built``, Keras 2's
+    ``_built``; Keras 2's legacy optimizers make them on the first update."""
+    for flag in ("built", "_built"):
+        if hasattr(opt, flag):
+            return bool(getattr(opt, flag))
+    weights = getattr(opt, "weights", None)
+    return bool(weights)
 
 
 class MetricAverageCallback(keras.callbacks.Callback):
@@ -190,7 +202,8 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
         if logs is not None:
-            logs["lr"] = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
+            lr = self.model.optimizer.learning_rate
+            logs["lr"] = float(lr.numpy() if hasattr(lr, "numpy") else lr)
 
 
 class LearningRateWarmupCallback(LearningRateScheduleCallback):
@@ -236,5 +249,9 @@ class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
     def _save_model(self, epoch: int, batch: Optional[int], logs: Optional[dict]) -> None:
         if C.rank() == 0:
             super()._save_model(epoch, batch, logs)
-        else:   # keep the best value in step with rank 0, write nothing
+        elif hasattr(self, "_should_save_model"):   # Keras 3: track the best value, write nothing
             self._should_save_model(epoch, batch, logs or {}, self._get_file_path(epoch, batch, logs))
+        else:   # Keras 2: the same by hand
+            current = (logs or {}).get(self.monitor)
+            if current is not None and self.monitor_op(current, self.best):
+                self.best = current

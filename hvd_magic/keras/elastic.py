@@ -18,10 +18,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import keras
-
+from hvd_magic.tensorflow._compat import import_tf_keras
 from hvd_magic.tensorflow.elastic import (HostsUpdatedInterrupt, ObjectState, State,  # noqa: F401
                                           TensorFlowKerasState, run)
+
+keras = import_tf_keras()   # the callbacks subclass the Callback of tf.keras's Keras
 
 __all__ = ["run", "State", "ObjectState", "KerasState", "CommitStateCallback",
            "UpdateBatchStateCallback", "UpdateEpochStateCallback", "HostsUpdatedInterrupt"]

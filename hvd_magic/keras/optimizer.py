@@ -1,8 +1,11 @@
-"""``DistributedOptimizer`` for Keras 3 optimizers (TensorFlow backend).
+"""``DistributedOptimizer`` for Keras optimizers on TensorFlow: Keras 3's, and Keras 2's
+(``tf_keras``, what ``tf.keras`` is under ``TF_USE_LEGACY_KERAS=1``; its current and its
+``legacy`` optimizers).
 
 The wrapper is an instance of a dynamic subclass of the optimizer's class whose ``apply``
-(called by ``apply_gradients`` and by ``model.fit``'s train step) first averages the
-gradients over all ranks, then runs the wrapped optimizer's update::
+(Keras 3: called by ``apply_gradients`` and by ``model.fit``'s train step) or
+``apply_gradients`` (Keras 2) first averages the gradients over all ranks, then runs the
+wrapped optimizer's update::
 
     opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.01 * hvd.size()))
     model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
@@ -19,11 +22,12 @@ Horovod, ``iterations`` counts every pass.
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional
 
 from hvd_magic.collectives import Adasum, Average, ProcessSet, Sum, global_process_set
 from hvd_magic.collectives.ops import to_op
-from hvd_magic.tensorflow._compat import import_keras, import_tf
+from hvd_magic.tensorflow._compat import import_keras, import_tf, is_keras3_object
 from hvd_magic.tensorflow.compression import Compression, Compressor
 from hvd_magic.tensorflow.gradient_aggregation import (LocalGradientAggregationHelper, var_key,
                                                        reduce_with_locals)
@@ -34,6 +38,27 @@ keras = import_keras()
 
 # Keras 2 arguments of apply_gradients that Keras 3 dropped; accepted and ignored here
 _KERAS2_APPLY_KWARGS = ("name", "experimental_aggregate_gradients", "skip_gradients_aggregation")
+
+
+def _keras2() -> Any:
+    """The ``tf_keras`` package when it is loaded (a Keras 2 optimizer or layer exists only then)."""
+    return sys.modules.get("tf_keras")
+
+
+def keras_optimizer_types() -> tuple:
+    tk = _keras2()
+    extra = (tk.optimizers.Optimizer, tk.optimizers.legacy.Optimizer) if tk is not None else ()
+    return (keras.optimizers.Optimizer,) + extra
+
+
+def _layer_types() -> tuple:
+    tk = _keras2()
+    return (keras.layers.Layer,) + ((tk.layers.Layer,) if tk is not None else ())
+
+
+def _optimizer_name(optimizer: Any) -> str:
+    # Keras 2's legacy optimizers keep their name in _name only
+    return getattr(optimizer, "name", None) or getattr(optimizer, "_name", type(optimizer).__name__)
 
 
 class _CallableList(list):
@@ -63,7 +88,10 @@ class _DistributedOptimizer:
 
     @property
     def variables(self) -> list:
-        return _CallableList(super().variables)  # type: ignore[misc]
+        found = super().variables  # type: ignore[misc]
+        if callable(found) and not isinstance(found, list):   # Keras 2's legacy optimizers
+            found = found()
+        return _CallableList(found)
 
     def register_local_var(self, var: Any) -> None:
         """Keep the gradient of ``var`` (a variable local to this rank) out of the reduction;
@@ -124,13 +152,32 @@ class _DistributedOptimizer:
         return bool(present) and all(any(g is r for r in done) for g in present)
 
     def apply_gradients(self, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
-        """Keras 3's ``apply_gradients``; Keras 2's extra arguments (``name``,
-        ``experimental_aggregate_gradients``, ...) are accepted and ignored."""
+        """Keras 3's ``apply_gradients`` (Keras 2's extra arguments ``name``,
+        ``experimental_aggregate_gradients``, ... are accepted and ignored), or Keras 2's: the
+        gradients reduced over the ranks unless they came reduced from compute_gradients."""
         unknown = [k for k in kwargs if k not in _KERAS2_APPLY_KWARGS]
         if unknown or len(args) > 1:
             raise TypeError(f"apply_gradients(grads_and_vars) got unexpected arguments "
                             f"{unknown or list(args)}")
-        return super().apply_gradients(list(grads_and_vars))  # type: ignore[misc]
+        if is_keras3_object(self):
+            return super().apply_gradients(list(grads_and_vars))  # type: ignore[misc]
+        return self._apply_keras2(list(grads_and_vars), super().apply_gradients, args, kwargs)
+
+    def _apply_keras2(self, pairs: list, base_apply: Any, args: tuple, kwargs: dict) -> Any:
+        if not pairs:
+            return base_apply(pairs, *args, **kwargs)
+        grads, variables = [g for g, _ in pairs], [v for _, v in pairs]
+        if not self._came_reduced(grads):
+            grads = self._allreduce(grads, variables)
+        if self._agg_helper is None:
+            return base_apply(list(zip(grads, variables)), *args, **kwargs)
+        with tf.init_scope():   # slots exist before the tf.cond that applies on every k-th pass
+            if hasattr(self, "_create_all_weights"):
+                self._create_all_weights(variables)   # type: ignore[attr-defined]
+            else:
+                self.build(variables)  # type: ignore[attr-defined]
+        return self._agg_helper.apply_gradients(
+            lambda: base_apply(list(zip(grads, variables)), *args, **kwargs), self)
 
     def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
         """Reduce ``grads`` over the ranks (unless they came reduced from compute_gradients),
@@ -170,7 +217,8 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dens
                          average_aggregated_gradients: bool = False, num_groups: int = 0,
                          groups: Any = None, process_set: ProcessSet = global_process_set,
                          scale_local_gradients: bool = True) -> Any:
-    """Wrap a Keras 3 ``optimizer`` so that its updates use gradients averaged over all ranks.
+    """Wrap a Keras ``optimizer`` (Keras 3's, or tf_keras's under ``TF_USE_LEGACY_KERAS=1``) so
+    that its updates use gradients averaged over all ranks.
 
     The result is an instance of a subclass of the optimizer's class sharing its state
     (variables, learning rate, config), so ``isinstance``, ``get_config``/``from_config``,
@@ -190,8 +238,9 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dens
     Use it with ``model.compile(..., jit_compile=False)`` where XLA would be chosen (it is
     not on CPU-only machines): XLA cannot call back into the MPI runtime.
     """
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise TypeError(f"DistributedOptimizer wraps a Keras 3 optimizer (keras.optimizers.*), not "
+    if not isinstance(optimizer, keras_optimizer_types()):
+        raise TypeError(f"DistributedOptimizer wraps a Keras optimizer (keras.optimizers.*, or "
+                        f"tf.keras.optimizers.* with TF_USE_LEGACY_KERAS=1), not "
                         f"{type(optimizer).__name__}; for a custom loop with tf.GradientTape use "
                         "hvd_magic.tensorflow.DistributedGradientTape")
     if is_distributed(optimizer):
@@ -204,7 +253,7 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dens
                          "with hvd_magic.tensorflow.DistributedGradientTape(tape, op=hvd.Adasum)")
     passes = _check_passes(backward_passes_per_step)
     reducer = GradientReducer(compression, op, gradient_predivide_factor, sparse_as_dense,
-                              num_groups, groups, f"DistributedOptimizer.{name or optimizer.name}",
+                              num_groups, groups, f"DistributedOptimizer.{name or _optimizer_name(optimizer)}",
                               "DistributedOptimizer", process_set)
     settings = dict(name=name, device_dense=device_dense, device_sparse=device_sparse,
                     compression=compression, sparse_as_dense=sparse_as_dense,
@@ -252,9 +301,9 @@ def PartialDistributedOptimizer(optimizer: Any, name: Optional[str] = None, devi
                          f"{to_op(op).name}")
     if local_layers is None:
         local_layers = []
-    elif isinstance(local_layers, keras.layers.Layer):
+    elif isinstance(local_layers, _layer_types()):
         local_layers = [local_layers]
-    elif not all(isinstance(layer, keras.layers.Layer) for layer in local_layers):
+    elif not all(isinstance(layer, _layer_types()) for layer in local_layers):
         raise ValueError("local_layers must be a Keras layer or a list of Keras layers")
     opt = DistributedOptimizer(optimizer, name=name, device_dense=device_dense,
                                device_sparse=device_sparse, compression=compression,
