@@ -25,6 +25,9 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 		ipython ipykernel ipyparallel ipywidgets bokeh jupyter_bokeh tensorflow-cpu==2.21.0 \
 		jupyterlab playwright nbval parameterized
 	$(PIP) install -q --disable-pip-version-check --no-deps -e .
+	# Keras 2 as tf.keras under TF_USE_LEGACY_KERAS=1 (Horovod's TF2/Keras examples). --no-deps:
+	# it requires `tensorflow`, whose wheel would overwrite tensorflow-cpu's files with a CUDA build
+	$(PIP) install -q --disable-pip-version-check --no-deps -c requirements/constraints.txt tf-keras==2.21.0
 	$(PY) -c "import mpi4py.MPI, torch, hvd_magic.collectives; print('setup ok: torch', torch.__version__)"
 	touch $(STAMP)
 
