@@ -76,6 +76,8 @@ def benchmarks() -> list:
                   "elastic commit() of 25 M parameters vs a step and torch.save; kill-to-resume time"),
         Benchmark("autotune", mpi_job("benchmarks/autotune.py", 2), dict(MPI_ENV), 600.0,
                   "HOROVOD_AUTOTUNE's chosen setting vs the best of a 36-setting grid search, 2 ranks"),
+        Benchmark("doctor", [PYTHON, str(HERE / "doctor.py")], {}, 300.0,
+                  "%hvd doctor's predicted 2-host efficiency for the CNN vs measured, 1 Gbit/s link"),
     ]
 
 
