@@ -219,6 +219,10 @@ class HvdMagics(Magics):
         """``%hvd doctor ...``: a pre-flight check of the pool these arguments would start."""
         from ..runner.doctor_run import run_doctor
         from ..widgets.doctor import show_report
+        for flag in ("slurm", "profile"):
+            if getattr(req.pool, flag, None):
+                raise UsageError(f"%hvd doctor --{flag}: not supported yet; check the hosts "
+                                 "of the allocation or profile with -H HOSTS or --hostfile F")
         model_bytes = req.doctor.get("model_bytes")
         model_name = req.doctor.get("model")
         if model_name is not None:
