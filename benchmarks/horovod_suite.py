@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/horovod_suite.py --horovod-src /tmp/hvdsrc \\
         --file test/parallel/test_torch.py --np 2 --json /tmp/horovod_suite_torch.json
+    .venv/bin/python benchmarks/horovod_suite.py --horovod-src /tmp/hvdsrc \\
+        --file test/parallel/test_mxnet1.py --np 2 --python .venv-mxnet/bin/python
 
 The test files are not edited and no Horovod code is copied: they are read from a Horovod
 checkout (``--horovod-src``, default ``$HOROVOD_SRC``; ``git archive HEAD test/parallel
@@ -46,7 +48,7 @@ MPIEXEC = str(Path(sys.executable).with_name("mpiexec"))
 LOCK = "/tmp/mpi.lock"
 ALIASES = {"horovod.torch": "hvd_magic.torch", "horovod.tensorflow": "hvd_magic.tensorflow",
            "horovod.tensorflow.keras": "hvd_magic.tensorflow.keras",
-           "horovod.keras": "hvd_magic.keras",
+           "horovod.keras": "hvd_magic.keras", "horovod.mxnet": "hvd_magic.mxnet",
            "horovod.tensorflow.util": "_horovod_suite_tf_util"}
 
 SHIM = {
@@ -124,6 +126,9 @@ SHIM = {
 }
 
 
+MOCK_SHIM = "import sys, unittest.mock\nsys.modules[__name__] = unittest.mock\n"
+
+
 def write_shim(root: Path) -> None:
     for rel, text in SHIM.items():
         path = root / rel
@@ -132,7 +137,7 @@ def write_shim(root: Path) -> None:
     try:
         import mock  # noqa: F401
     except ImportError:
-        (root / "mock.py").write_text("import sys, unittest.mock\nsys.modules[__name__] = unittest.mock\n")
+        (root / "mock.py").write_text(MOCK_SHIM)
 
 
 def shim_env(shim: Path, paths=()) -> dict:
@@ -162,12 +167,43 @@ def expanded_names(fn: ast.AST) -> list[str]:
     return [fn.name]
 
 
+def _star_imported_classes(path: Path, tree: ast.AST) -> dict:
+    """Classes of the sibling modules the file star-imports (``from base_test_mxnet import
+    *``), by name: their test methods are inherited by the file's classes."""
+    found = {}
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module and any(a.name == "*" for a in node.names):
+            sibling = path.with_name(node.module + ".py")
+            if sibling.is_file():
+                for cls in ast.parse(sibling.read_text(), filename=str(sibling)).body:
+                    if isinstance(cls, ast.ClassDef):
+                        found[cls.name] = cls
+    return found
+
+
+def _test_methods(cls: ast.ClassDef) -> list:
+    return [fn for fn in cls.body if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and fn.name.startswith("test")]
+
+
 def list_tests(path: Path) -> list[str]:
-    """'Class::test_name' for each test method of each class in the file, in file order."""
+    """'Class::test_name' for each test method of each class in the file, in file order,
+    then those it inherits from a star-imported sibling module's class (base file order)."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    return [f"{cls.name}::{name}" for cls in tree.body if isinstance(cls, ast.ClassDef)
-            for fn in cls.body if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
-            and fn.name.startswith("test") for name in expanded_names(fn)]
+    bases = _star_imported_classes(path, tree)
+    out = []
+    for cls in tree.body:
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        own = _test_methods(cls)
+        out += [f"{cls.name}::{name}" for fn in own for name in expanded_names(fn)]
+        seen = {fn.name for fn in own}
+        for base in (bases.get(ast.unparse(b)) for b in cls.bases):
+            for fn in _test_methods(base) if base is not None else []:
+                if fn.name not in seen:
+                    seen.add(fn.name)
+                    out += [f"{cls.name}::{name}" for name in expanded_names(fn)]
+    return out
 
 
 def rank_outcome(records: list[dict]) -> tuple[str, str, float]:
@@ -202,8 +238,10 @@ def decide(ranks: dict, np_: int, rc: int, tail: str) -> tuple[str, str]:
 def run_one(args, test_file: Path, test: str, env: dict, out: Path) -> dict:
     for old in out.glob("rank*.jsonl"):
         old.unlink()
-    cmd = ["flock", LOCK, "timeout", "--foreground", "-k", "10", str(args.timeout), MPIEXEC,
-           "-n", str(args.np), sys.executable, "-m", "pytest", f"{test_file}::{test}", "-q",
+    python = os.path.abspath(args.python) if args.python else sys.executable
+    cmd = ["flock", LOCK, "timeout", "--foreground", "-k", "10", str(args.timeout),
+           str(Path(python).with_name("mpiexec")) if args.python else MPIEXEC,
+           "-n", str(args.np), python, "-m", "pytest", f"{test_file}::{test}", "-q",
            "-p", "no:cacheprovider", "-p", "horovod_suite_report"]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=test_file.parent, env=env, start_new_session=True,
@@ -251,6 +289,9 @@ def main(argv=None) -> int:
                    help="run only tests whose name holds this (repeat: any of them)")
     p.add_argument("--timeout", type=int, default=180, help="seconds per test launch")
     p.add_argument("--json", default=None, help="write every test's outcome here")
+    p.add_argument("--python", default=None,
+                   help="the ranks' python (its venv's mpiexec launches them), e.g. "
+                        ".venv-mxnet/bin/python for test_mxnet1.py; default: this one")
     args = p.parse_args(argv)
     if not args.horovod_src:
         p.error("give --horovod-src DIR (or set HOROVOD_SRC): a Horovod checkout with test/parallel")
@@ -262,6 +303,9 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="horovod_suite_") as tmp:
         shim, out = Path(tmp, "shim"), Path(tmp, "out")
         write_shim(shim), out.mkdir()
+        if args.python and subprocess.run([args.python, "-c", "import mock"],
+                                          capture_output=True).returncode:
+            (shim / "mock.py").write_text(MOCK_SHIM)   # the ranks' python lacks it too
         env = shim_env(shim, [test_file.parent, src / "test" / "utils"])
         env["HOROVOD_SUITE_OUT"] = str(out)
         results = []
