@@ -1,6 +1,8 @@
 """Run Horovod's example scripts against hvd_magic under ``hvdrun -np 2``, only the import changed.
 
     .venv/bin/python benchmarks/horovod_examples.py --horovod-src /tmp/hvdsrc --group pytorch
+    .venv/bin/python benchmarks/horovod_examples.py --horovod-src /tmp/hvdsrc --group mxnet \\
+        --python .venv-mxnet/bin/python
 
 The scripts are read, unedited, from a Horovod checkout or export (``--horovod-src``, default
 ``$HOROVOD_SRC``; ``git archive HEAD examples test/parallel test/utils | tar -x`` is enough).
@@ -27,6 +29,21 @@ point at the generated data. No network is used. What is replaced, and nothing e
   (learnable, so losses fall), 640 train and 160 test images; ImageNet-shaped folders of
   2 classes with 64x64 RGB PNGs, 4 per class for train and 2 per class for validation.
 
+* The length of the two TF2 MNIST scripts, which no argument sets (5000 steps of a convnet
+  at batch 128, and 24 epochs of 250 steps: 35 to 50 minutes each at 0.4 s a step on a
+  2-core machine): for the scripts in MAX_STEPS, ``tf.data.Dataset.take(n)`` gives at most
+  that many elements and Keras 2's ``fit(steps_per_epoch=n)`` runs at most that many steps an
+  epoch (``HVD_EXAMPLES_MAX_STEPS``, read by the hook). Every step, epoch and callback still
+  runs as written; there are fewer steps.
+
+The TensorFlow 2 and Keras groups run with ``TF_USE_LEGACY_KERAS=1`` (``pip install
+tf-keras``), as a Horovod user on TF >= 2.16 runs them: the scripts are Keras 2 code
+(``opt.variables()``, ``compile(experimental_run_tf_function=False)``), and ``tf.keras`` is
+then Keras 2, which hvd_magic's Keras face follows. The Keras group's scripts are older
+still (TF1's ``tf.ConfigProto``/``tf.Session``, standalone Keras 2's ``ImageDataGenerator``
+and ``fit_generator``): they stop at those lines on TensorFlow 2.21 before any Horovod call
+that matters, as Horovod's own run does, and are listed with that reason.
+
 These hooks live in a ``sitecustomize.py`` in the shim directory. A script passes when
 ``hvdrun`` exits 0 and the output has the script's end marker (its last print); a run past
 ``--timeout`` is a hang. Scripts that cannot run here are listed with the reason.
@@ -49,6 +66,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from horovod_suite import LOCK, shim_env, write_shim  # noqa: E402
 
 HVDRUN = str(Path(sys.executable).with_name("hvdrun"))
+# Horovod's TF2 and Keras examples are Keras 2 code (opt.variables(), compile(
+# experimental_run_tf_function=...)): run as a Horovod user on TF >= 2.16 runs them, with
+# tf-keras installed and TF_USE_LEGACY_KERAS=1, so that tf.keras is Keras 2
+LEGACY_KERAS_GROUPS = ("tensorflow2", "keras")
+# Scripts whose length no argument sets, cut to this many steps by the harness (see the
+# docstring): every step as written, fewer of them (0.4 s a step on this 2-core machine)
+MAX_STEPS = {"examples/tensorflow2/tensorflow2_mnist.py": 100,              # of 5000
+             "examples/tensorflow2/tensorflow2_keras_mnist.py": 5}          # per epoch, of 250
 MNIST_TRAIN, MNIST_TEST = 640, 160
 # script [variant] -> (group, args, end marker regex or None, reason it cannot run here or
 # None); @DATA@ and @WORK@ in args become the generated-data and working directories.
@@ -77,8 +102,8 @@ EXAMPLES = {
         "needs PyTorch Lightning 1.x (Trainer(accelerator='horovod', gpus=...), "
         "validation_epoch_end): Lightning 2 removed its Horovod strategy and those names, so "
         "the current pytorch-lightning cannot run it; Lightning 1.x is not installed here"),
-    "examples/tensorflow2/tensorflow2_mnist.py": ("tensorflow2", [], None, None),
-    "examples/tensorflow2/tensorflow2_keras_mnist.py": ("tensorflow2", [], None, None),
+    "examples/tensorflow2/tensorflow2_mnist.py": ("tensorflow2", [], r"Step #90\b", None),
+    "examples/tensorflow2/tensorflow2_keras_mnist.py": ("tensorflow2", [], r"Epoch 24/24", None),
     "examples/tensorflow2/tensorflow2_synthetic_benchmark.py": (
         "tensorflow2", ["--batch-size", "2", "--num-warmup-batches", "1", "--num-batches-per-iter",
                         "1", "--num-iters", "2"], r"Total img/sec on 2 CPU", None),
@@ -94,6 +119,18 @@ EXAMPLES = {
         "keras", ["--train-dir", "@DATA@/imagenet/train", "--val-dir", "@DATA@/imagenet/val",
                   "--log-dir", "@WORK@/logs", "--checkpoint-format", "@WORK@/checkpoint-{epoch}.h5",
                   "--epochs", "1", "--batch-size", "2", "--val-batch-size", "2"], None, None),
+    # MXNet runs in .venv-mxnet (numpy<1.24): --python .venv-mxnet/bin/python --group mxnet
+    "examples/mxnet/mxnet_mnist.py": (
+        "mxnet", ["--epochs", "3", "--batch-size", "32", "--no-cuda"], r"Validation: accuracy=", None),
+    "examples/mxnet/mxnet_mnist.py [fp16, predivide 2]": (
+        "mxnet", ["--epochs", "3", "--batch-size", "32", "--no-cuda", "--fp16-allreduce",
+                  "--gradient-predivide-factor", "2"], r"Validation: accuracy=", None),
+    "examples/mxnet/mxnet2_mnist.py": (
+        "mxnet", [], None, "MXNet 2.x code (mx.np, gluon.metric); MXNet 2 was never released "
+        "on PyPI, 1.9.1 is supported here"),
+    "examples/mxnet/mxnet_imagenet_resnet50.py": (
+        "mxnet", [], None, "reads ImageNet RecordIO files (mx.io.ImageRecordIter) and gluoncv's "
+        "model zoo, neither of which is here"),
 }
 
 STANDINS = {
@@ -254,6 +291,33 @@ STANDINS = {
         def _keras_mnist(module):  # the download step answers with the generated file
             module.get_file = lambda *args, **kwargs: _MNIST
 
+        _MAX_STEPS = int(os.environ.get("HVD_EXAMPLES_MAX_STEPS", "0"))
+
+        def _cap_take(tf):  # tf.data's take(n) gives at most _MAX_STEPS elements
+            take = tf.data.Dataset.take
+            def capped(self, count, name=None):
+                return take(self, min(int(count), _MAX_STEPS) if int(count) >= 0 else _MAX_STEPS, name=name)
+            tf.data.Dataset.take = capped
+
+        def _cap_fit(module):  # fit(steps_per_epoch=n) runs at most _MAX_STEPS steps an epoch
+            fit = module.Model.fit
+            def capped(self, *args, **kwargs):
+                if kwargs.get("steps_per_epoch"):
+                    kwargs["steps_per_epoch"] = min(kwargs["steps_per_epoch"], _MAX_STEPS)
+                return fit(self, *args, **kwargs)
+            module.Model.fit = capped
+
+        def _mx_download(url, fname=None, dirname=None, overwrite=False, retries=5):
+            import shutil  # MXNet's MNIST zip (idx files), generated beside mnist.npz
+            dirname = dirname or "."
+            os.makedirs(dirname, exist_ok=True)
+            target = os.path.join(dirname, fname or url.split("/")[-1])
+            shutil.copyfile(os.path.join(os.path.dirname(_MNIST), "mnist.zip"), target)
+            return target
+
+        def _mx_test_utils(module):
+            module.download = _mx_download
+
         class _SummaryWriter:
             def __init__(self, log_dir=None, *args, **kwargs):
                 self.path = os.path.join(log_dir or "runs", "scalars.csv")
@@ -267,11 +331,15 @@ STANDINS = {
             def find_spec(self, name, path=None, target=None):
                 if name == "torch.utils.tensorboard" and importlib.util.find_spec("tensorboard") is None:
                     return importlib.util.spec_from_loader(name, self)
-                if name == "keras.src.datasets.mnist":
+                after = {"keras.src.datasets.mnist": _keras_mnist, "tf_keras.src.datasets.mnist": _keras_mnist,
+                         "mxnet.test_utils": _mx_test_utils}.get(name)
+                if _MAX_STEPS and name in ("tensorflow", "tf_keras.src.engine.training"):
+                    after = _cap_take if name == "tensorflow" else _cap_fit
+                if after is not None:
                     for finder in sys.meta_path:
                         spec = None if finder is self else finder.find_spec(name, path, target)
                         if spec is not None:
-                            spec.loader = _Wrap(spec.loader, _keras_mnist)
+                            spec.loader = _Wrap(spec.loader, after)
                             return spec
                 return None
             def create_module(self, spec): return None
@@ -308,7 +376,24 @@ def make_data(root: Path, home: Path, seed: int = 0) -> Path:
                 img[:, :, k] //= 2
                 Image.fromarray(img).save(d / f"{i}.png")
     (root / "mnist").mkdir()
+    write_mnist_idx_zip(npz)
     return npz
+
+
+def write_mnist_idx_zip(npz: Path) -> Path:
+    """mnist.zip beside ``npz``: the same digits as MNIST's idx files (what MXNet's
+    MNISTIter reads): big-endian magic 2051/2049, the dimensions, then the bytes."""
+    import struct
+    import zipfile
+
+    import numpy as np
+    path = npz.with_name("mnist.zip")
+    with np.load(npz) as f, zipfile.ZipFile(path, "w") as zf:
+        for part, prefix in (("train", "train"), ("test", "t10k")):
+            x, y = f[f"x_{part}"], f[f"y_{part}"]
+            zf.writestr(f"{prefix}-images-idx3-ubyte", struct.pack(">4I", 2051, *x.shape) + x.tobytes())
+            zf.writestr(f"{prefix}-labels-idx1-ubyte", struct.pack(">2I", 2049, len(y)) + y.tobytes())
+    return path
 
 
 def first_error(output: str) -> str:
@@ -344,10 +429,16 @@ def run_example(args, script: str, spec, shim: Path, data: Path, home: Path, tmp
     work = tmp / "work" / stem
     work.mkdir(parents=True)
     argv = [a.replace("@DATA@", str(data)).replace("@WORK@", str(work)) for a in script_args]
-    cmd = ["flock", LOCK, "timeout", "--foreground", "-k", "10", str(args.timeout), HVDRUN,
-           "-np", str(args.np), sys.executable, str(path), *argv]
+    python = os.path.abspath(args.python) if args.python else sys.executable
+    cmd = ["flock", LOCK, "timeout", "--foreground", "-k", "10", str(args.timeout),
+           str(Path(python).with_name("hvdrun")) if args.python else HVDRUN,
+           "-np", str(args.np), python, str(path), *argv]
     env = shim_env(shim, [path.parent])
     env["HOME"] = str(home)
+    if group in LEGACY_KERAS_GROUPS:
+        env["TF_USE_LEGACY_KERAS"] = "1"
+    if script in MAX_STEPS:
+        env["HVD_EXAMPLES_MAX_STEPS"] = str(MAX_STEPS[script])
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=work, env=env, start_new_session=True, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -383,7 +474,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--horovod-src", default=os.environ.get("HOROVOD_SRC"),
                    help="Horovod checkout or export holding examples/ (default $HOROVOD_SRC)")
-    p.add_argument("--group", action="append", choices=["pytorch", "tensorflow2", "keras"],
+    p.add_argument("--group", action="append", choices=["pytorch", "tensorflow2", "keras", "mxnet"],
                    help="run only this group (repeat for more; default all)")
     p.add_argument("-k", dest="k", action="append", default=[],
                    help="run only scripts whose path holds this (repeat: any of them)")
@@ -392,6 +483,9 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write every script's outcome here")
     p.add_argument("--md", help="write the table (markdown) here")
     p.add_argument("--keep-logs", help="copy each script's full output into this folder")
+    p.add_argument("--python", default=None,
+                   help="the ranks' python (its venv's hvdrun launches them): "
+                        ".venv-mxnet/bin/python for --group mxnet; default: this one")
     args = p.parse_args(argv)
     if not args.horovod_src or not Path(args.horovod_src, "examples").is_dir():
         p.error("give --horovod-src DIR (or set HOROVOD_SRC): a Horovod export holding examples/")
