@@ -103,6 +103,12 @@ _VARS = [
     Var("HVD_MAGIC_OVERSUBSCRIBE", "bool", False,
         "1: a pool may have more ranks than its hosts' slots, or than 4 per core on this "
         "machine (as --oversubscribe)"),
+    Var("HVD_MAGIC_PROFILE_DIR", "str", "",
+        "directory of cluster profiles (NAME.toml) for --profile NAME; unset: "
+        "~/.hvd_magic/profiles"),
+    Var("HVD_MAGIC_SLURM_IDLE_TIMEOUT", "float", 3600.0,
+        "seconds without a %%hvd cell after which a pool's Slurm allocation (%%hvd --slurm) is "
+        "released (scancel); 0: kept until %hvd stop or kernel exit"),
     Var("HVD_MAGIC_PIN_GPU", "bool", True,
         "0: a pool's ranks do not set CUDA_VISIBLE_DEVICES to their local rank"),
     Var("HVD_MAGIC_NP", "int", 2, "ranks of a pool when neither -np nor a running pool says"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import secrets
 import socket
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .. import config
 from ..runner.plan import Host
@@ -28,9 +28,10 @@ def _local_ip_towards(host: str) -> str:
 def make_config(np: int, hosts: Optional[List[Host]] = None, hostfile: Optional[str] = None,
                 env: Optional[Dict[str, str]] = None,
                 workdir: str = "/tmp/hvdm-plan", oversubscribe: bool = False,
-                min_np: Optional[int] = None) -> PoolConfig:
+                min_np: Optional[int] = None, slurm: Optional[Any] = None) -> PoolConfig:
     """Gather the facts of this machine (mpiexec, MPI flavour, namespaces, addresses) into a
-    :class:`PoolConfig`; raises ValueError/TypeError/RuntimeError for what cannot work."""
+    :class:`PoolConfig`; raises ValueError/TypeError/RuntimeError for what cannot work.
+    ``slurm``: an :class:`~.slurm_alloc.Allocation` whose nodes the ranks run on."""
     from ..runner import launch
     from ..runner.plan import parse_hostfile
     environ = dict(os.environ)
@@ -43,11 +44,19 @@ def make_config(np: int, hosts: Optional[List[Host]] = None, hostfile: Optional[
         except OSError as exc:
             raise ValueError(f"--hostfile {hostfile}: cannot read it ({exc.strerror})") from None
         hosts = hosts or listed
-    single = not hosts or all(h.name in names for h in hosts)
+    if slurm is not None:
+        hosts, hostfile = slurm.hosts, None
+        environ.update(slurm.env())
+    single = slurm is None and (not hosts or all(h.name in names for h in hosts))
     oversub = True if oversubscribe or config.get("HVD_MAGIC_OVERSUBSCRIBE", environ) else None
     controller_ip, ports = "127.0.0.1", []
     if not single:
-        remote = next(h.name for h in hosts or [] if h.name not in names)
+        if slurm is not None:       # the nodes' addresses as Slurm knows them (NodeAddr)
+            others = [a for n, a in slurm.addrs.items() if n not in names] or \
+                list(slurm.addrs.values()) or [h.name for h in hosts or []]
+            remote = others[0]
+        else:
+            remote = next(h.name for h in hosts or [] if h.name not in names)
         controller_ip = _local_ip_towards(remote)
         from ipyparallel.util import select_random_ports
         ports = select_random_ports(16)
@@ -56,10 +65,12 @@ def make_config(np: int, hosts: Optional[List[Host]] = None, hostfile: Optional[
                       hostfile=hostfile, mpiexec=info.path, mpi_impl=info.impl,
                       mpi_version=info.version, netns=netns, ipc=os.name == "posix",
                       controller_ip=controller_ip, ports=ports, oversubscribe=oversub,
-                      local_names=names, env=dict(env or {}), environ=environ, min_np=min_np)
+                      local_names=names, env=dict(env or {}), environ=environ, min_np=min_np,
+                      slurm_job=None if slurm is None else slurm.job_id)
 
 
-Request = Tuple[int, Optional[List[Host]], Optional[str], Optional[int]]
+Request = Tuple[int, Optional[List[Host]], Optional[str], Optional[int], Optional[Tuple],
+                Optional[Tuple], Tuple[str, ...]]
 
 
 class PoolManager:
@@ -73,6 +84,8 @@ class PoolManager:
         self.config_factory = config_factory
         self.last: Optional[Request] = None         # the last request a pool started for
         self._running: Optional[Request] = None     # the request self.pool was started for
+        from .slurm_pool import SlurmKeeper
+        self._slurm = SlurmKeeper(self.stop)         # the pool's Slurm allocation, if any
 
     def default_np(self) -> int:
         """The size a request without ``-np`` gets: the running or last pool's, else
@@ -88,19 +101,33 @@ class PoolManager:
 
     def ensure(self, np: Optional[int], hosts: Optional[List[Host]], hostfile: Optional[str],
                sink: Optional[OutputSink], oversubscribe: bool = False,
-               min_np: Optional[int] = None) -> Pool:
+               min_np: Optional[int] = None, slurm: Optional[Dict[str, Any]] = None,
+               env: Optional[Dict[str, str]] = None, setup: Sequence[str] = ()) -> Pool:
         """A running pool for this request (planned and checked before anything starts);
         ``oversubscribe`` allows more ranks than the hosts' slots or this machine's limit;
-        ``min_np``: an elastic pool (MPI fault tolerance), which survives lost ranks."""
-        if np is None and hosts is None and hostfile is None and self.last is not None:
-            np, hosts, hostfile, min_np = self.last
+        ``min_np``: an elastic pool (MPI fault tolerance), which survives lost ranks;
+        ``slurm``: ``%%hvd --slurm``'s options (a Slurm allocation, kept across cells);
+        ``env``, ``setup``: a cluster profile's variables for the ranks and the shell lines
+        run on every host before a new pool starts."""
+        if np is None and hosts is None and hostfile is None and slurm is None \
+                and self.last is not None:
+            np, hosts, hostfile, min_np, slurm_key, env_key, setup = self.last
+            slurm = dict(slurm_key) if slurm_key is not None else None
+            env = dict(env_key) if env_key is not None else None
         np = self.default_np() if np is None else np
-        request: Request = (np, hosts, hostfile, min_np)
+        request: Request = (np, hosts, hostfile, min_np,
+                            None if slurm is None else tuple(sorted(slurm.items())),
+                            None if not env else tuple(sorted(env.items())), tuple(setup))
         old = self.pool
         if old is not None and old.alive() and request == self._running:
             return old                          # fast path: nothing to look up or plan
+        extra: Dict[str, Any] = {"env": env} if env else {}
+        if slurm is not None:
+            extra["slurm"] = self._slurm.allocation_for(slurm, np, sink)
+        elif self._slurm.allocation is not None:
+            self._slurm.release(sink)
         config = self.config_factory(np, hosts=hosts, hostfile=hostfile,
-                                     oversubscribe=oversubscribe, min_np=min_np)
+                                     oversubscribe=oversubscribe, min_np=min_np, **extra)
         plan_pool(config)                       # bad requests fail here, before any process
         if old is not None:
             if old.alive() and old.config.key_fields() == config.key_fields():
@@ -114,6 +141,10 @@ class PoolManager:
                                      "new one")
             old.stop()
             self.pool = self._running = None
+        if setup:
+            from .setup_lines import run_setup
+            run_setup(setup, config.hosts, config.slurm_job, config.environ,
+                      status=sink.status if sink is not None else None)
         pool = Pool(config).start(sink)
         self.pool, self._running, self.last = pool, request, request
         if sink is not None:
@@ -126,8 +157,14 @@ class PoolManager:
     def stop(self) -> bool:
         """Stop the pool; True if one was running."""
         pool, self.pool, self._running = self.pool, None, None
-        if pool is None:
-            return False
-        was = pool.alive()
-        pool.stop()
+        was = pool is not None and pool.alive()
+        if pool is not None:
+            pool.stop()
+        self._slurm.release()                   # after the ranks: scancel would kill them
         return was
+
+    @property
+    def slurm(self) -> Any:
+        """The Slurm side of the pool (:class:`~.slurm_pool.SlurmKeeper`): its allocation,
+        the idle timeout, why the allocation failed."""
+        return self._slurm

@@ -81,11 +81,13 @@ class PoolConfig:
     heartbeat_ms: int = HEARTBEAT_MS
     min_np: Optional[int] = None              # elastic: MPI fault tolerance, go on down to this
     cores: int = os.cpu_count() or 1          # this machine's (the one-machine size limit)
+    slurm_job: Optional[int] = None           # a Slurm allocation holds ``hosts`` (its nodes)
 
     def key_fields(self) -> Tuple:
         """What makes a running pool unsuitable for another request when it differs."""
         hosts = tuple((h.name, h.slots) for h in self.hosts or ())
-        return (self.np, hosts, self.hostfile, tuple(sorted(self.env.items())), self.min_np)
+        return (self.np, hosts, self.hostfile, tuple(sorted(self.env.items())), self.min_np,
+                self.slurm_job)
 
 
 @dataclass
@@ -179,7 +181,9 @@ def plan_pool(config: PoolConfig) -> PoolPlan:
                   config.cores)
     largs = LaunchArgs(np=config.np, command=["python"], hosts=config.hosts,
                        hostfile=config.hostfile)
-    single = is_single_host(largs, config.local_names)
+    # in a Slurm allocation mpiexec (PRRTE) starts its daemons with srun, even on this node
+    slurm = config.slurm_job is not None
+    single = not slurm and is_single_host(largs, config.local_names)
     engine_info, client_info = connection_info(config, single)
     security = os.path.join(config.workdir, "security")
     engine_file = os.path.join(security, f"ipcontroller-{CLUSTER_ID}-engine.json")
@@ -219,7 +223,8 @@ def plan_pool(config: PoolConfig) -> PoolPlan:
                        oversubscribe=bool(oversub), min_np=config.min_np)
     argv, env = plan_launch(largs, config.environ, config.mpi_impl, mpiexec=config.mpiexec,
                             mpi_version=config.mpi_version, netns=config.netns and single,
-                            local_names=config.local_names, python=py)
+                            local_names=frozenset() if slurm else config.local_names,
+                            python=py)
     if config.mpi_impl == OPENMPI and not oversub and single:
         env.pop("PRTE_MCA_rmaps_default_mapping_policy", None)
     notes: List[str] = []
@@ -231,6 +236,9 @@ def plan_pool(config: PoolConfig) -> PoolPlan:
     else:
         notes.append(f"the engines reach the controller at {config.controller_ip}; it "
                      "listens there and on Unix sockets for this kernel only")
+    if slurm:
+        notes.append(f"the ranks run in Slurm job {config.slurm_job} on "
+                     + ", ".join(h.name for h in config.hosts or ()))
     return PoolPlan(controller, argv, env, engine_info, client_info, engine_file, client_file,
                     single, notes)
 

@@ -8,18 +8,20 @@ from __future__ import annotations
 import argparse
 import shlex
 from dataclasses import dataclass, field, replace
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 from ..runner.plan import Host, parse_hosts
 
-CELL_USAGE = ("%%hvd [-np N] [-H host1:4,host2:4 | --hostfile FILE] [--oversubscribe] "
+CELL_USAGE = ("%%hvd [-np N] [-H host1:4,host2:4 | --hostfile FILE | --slurm [--partition P] "
+              "[--time T] [--nodes N] [--gpus-per-node G] | --profile NAME] [--oversubscribe] "
               "[--min-np N] [--ranks 0,2 | --rank 0] "
               "[--timeout SECONDS] [--no-stream] [--out NAME]")
 LINE_USAGE = ("%hvd status | stop | restart | push NAME... [--ranks 0,2] | "
               "pull NAME [--rank R] | start [-np N] [-H HOSTS | --hostfile F] | export PATH | "
               "doctor [-np N] [-H HOSTS | --hostfile F] [--model-bytes B | --model NAME] "
-              "[--step-time S] [--network-interface IF]")
-SUBCOMMANDS = ("status", "stop", "restart", "push", "pull", "start", "export", "doctor")
+              "[--step-time S] [--network-interface IF] | profiles")
+SUBCOMMANDS = ("status", "stop", "restart", "push", "pull", "start", "export", "doctor",
+               "profiles")
 
 
 class HvdUsageError(ValueError):
@@ -40,6 +42,8 @@ class CellRequest:
     out: Optional[str] = None
     oversubscribe: bool = False
     min_np: Optional[int] = None
+    slurm: Optional[Dict[str, Any]] = None    # --slurm: partition, time, nodes, gpus_per_node
+    profile: Optional[str] = None             # --profile NAME (a cluster profile)
 
 
 @dataclass
@@ -99,6 +103,12 @@ def _pool_options(p: argparse.ArgumentParser) -> None:
     hosts = p.add_mutually_exclusive_group()
     hosts.add_argument("-H", "--hosts", dest="hosts", default=None)
     hosts.add_argument("--hostfile", dest="hostfile", default=None)
+    hosts.add_argument("--slurm", action="store_true", default=False)
+    hosts.add_argument("--profile", dest="profile", default=None)
+    p.add_argument("--partition", default=None)
+    p.add_argument("--time", default=None)
+    p.add_argument("--nodes", default=None)
+    p.add_argument("--gpus-per-node", dest="gpus_per_node", default=None)
     p.add_argument("--oversubscribe", action="store_true", default=False)
     p.add_argument("--min-np", dest="min_np", default=None)
 
@@ -118,6 +128,37 @@ def _pool_fields(ns: argparse.Namespace, req: CellRequest) -> None:
         if not ns.hostfile.strip():
             raise HvdUsageError("--hostfile needs a file name, e.g. --hostfile hosts.txt")
         req.hostfile = ns.hostfile
+    _slurm_fields(ns, req)
+
+
+def _slurm_fields(ns: argparse.Namespace, req: CellRequest) -> None:
+    """--slurm and its options (checked as salloc would), --profile's name."""
+    opts = {k: getattr(ns, k) for k in ("partition", "time", "nodes", "gpus_per_node")}
+    given = [f"--{k.replace('_', '-')}" for k, v in opts.items() if v is not None]
+    if given and not ns.slurm:
+        raise HvdUsageError(f"{' '.join(given)} go with --slurm, e.g. %%hvd -np 8 --slurm "
+                            "--partition gpu --time 1:00:00")
+    if ns.profile is not None:
+        if not ns.profile.strip() or "/" in ns.profile:
+            raise HvdUsageError(f"--profile {ns.profile!r}: give a profile's name (%hvd "
+                                "profiles lists them), e.g. --profile mycluster")
+        req.profile = ns.profile
+    if not ns.slurm:
+        return
+    from ..runner.slurm import SlurmRequest, check_request
+    for key in ("nodes", "gpus_per_node"):
+        if opts[key] is not None:
+            flag = f"--{key.replace('_', '-')}"
+            if not opts[key].isdigit() or int(opts[key]) < 1:
+                raise HvdUsageError(f"{flag} {opts[key]!r}: give a whole number >= 1, "
+                                    f"e.g. {flag} 2")
+            opts[key] = int(opts[key])
+    try:
+        check_request(SlurmRequest(**{k: v for k, v in opts.items() if v is not None}),
+                      req.np)
+    except ValueError as exc:
+        raise HvdUsageError(str(exc)) from None
+    req.slurm = opts
 
 
 def _split(line: str, usage: str) -> List[str]:
@@ -141,7 +182,8 @@ def parse_cell_args(line: str) -> CellRequest:
             _CELL_CACHE.clear()
         _CELL_CACHE[key] = req
     return replace(req, hosts=list(req.hosts) if req.hosts is not None else None,
-                   ranks=list(req.ranks) if req.ranks is not None else None)
+                   ranks=list(req.ranks) if req.ranks is not None else None,
+                   slurm=dict(req.slurm) if req.slurm is not None else None)
 
 
 _CELL_CACHE: "dict[str, CellRequest]" = {}
@@ -224,7 +266,7 @@ def parse_line_args(line: str) -> LineRequest:
                             "(to run code on the ranks use the cell magic %%hvd)")
     req = LineRequest(command)
     p = _Parser(LINE_USAGE)
-    if command in ("status", "stop"):
+    if command in ("status", "stop", "profiles"):
         p.parse_args(rest)
     elif command in ("restart", "start"):
         _pool_options(p)

@@ -58,14 +58,16 @@ class HvdMagics(Magics):
     def _pool_for(self, req: CellRequest, sink: Any) -> Any:
         from ..runner.launch import MpiNotFoundError
         try:
-            if req.np is None and req.hosts is None and req.hostfile is None:
+            req, where = _where(req)
+            if req.np is None and req.hosts is None and req.hostfile is None and not where:
                 pool = self.manager.pool
                 if pool is not None and pool.alive():
                     check_ranks(req, pool.size)
                     return pool
             check_ranks(req, self.manager.default_np() if req.np is None else req.np)
             return self.manager.ensure(req.np, req.hosts, req.hostfile, sink,
-                                       oversubscribe=req.oversubscribe, min_np=req.min_np)
+                                       oversubscribe=req.oversubscribe, min_np=req.min_np,
+                                       **where)
         except (ValueError, TypeError, MpiNotFoundError) as exc:
             raise _usage(exc) from None
 
@@ -79,7 +81,15 @@ class HvdMagics(Magics):
         pool = self._pool_for(req, sink)
         self.last_cell = cell
         record = self._record_cell(req, line, cell, pool)
-        outcome = pool.run_cell(cell, sink, ranks=req.ranks, timeout=req.timeout)
+        slurm = getattr(self.manager, "slurm", None)
+        slurm and slurm.touch(True)
+        try:
+            outcome = pool.run_cell(cell, sink, ranks=req.ranks, timeout=req.timeout)
+        except Exception as exc:
+            _slurm_note(slurm, exc)
+            raise
+        finally:
+            slurm and slurm.touch(False)
         record["ok"] = True          # it raised otherwise (and stays marked as failed)
         if req.out:
             values = pool.result_values(outcome.ranks)
@@ -151,6 +161,17 @@ class HvdMagics(Magics):
             print("hvd: no pool running; the next %%hvd cell starts one")
             return
         print(render_status(pool.status()))
+        held = getattr(self.manager, "slurm", None)
+        if held is not None and held.info():
+            info = held.info()
+            print(f"  slurm: job {info['job_id']} on {', '.join(info['nodes'])}"
+                  + ("" if info["owned"] else " (the job this kernel runs in)"))
+
+    def _cmd_profiles(self, _req: Any) -> None:
+        import os
+        from ..runner.profiles import describe, find_profiles, profile_dir
+        where = profile_dir(os.environ)
+        print(describe(find_profiles(where), where))
 
     def _cmd_stop(self, _req: Any) -> None:
         self.history.append({"kind": "stop"})
@@ -244,7 +265,6 @@ class HvdMagics(Magics):
         show_report(report)
         return None
 
-
     # ------------------------------------------------------------------ %autohvd
     @line_magic
     def autohvd(self, line: str) -> None:
@@ -280,6 +300,40 @@ class HvdMagics(Magics):
         """Stop autohvd and the pool (the extension is unloaded)."""
         _remove_transformer(self.shell, self._transform)
         self.manager.stop()
+
+
+def _where(req: CellRequest) -> Any:
+    """``--profile NAME`` applied (its hosts or Slurm options, ranks, environment, setup
+    lines), and the keywords for the pool manager that say where the pool runs."""
+    from dataclasses import replace
+    where: Dict[str, Any] = {}
+    if req.profile is not None:
+        import os
+        from ..runner.profiles import launch_of, load_profile
+        plan = launch_of(load_profile(req.profile, os.environ), req.np)
+        req = replace(req, np=plan.np, hosts=plan.hosts, slurm=plan.slurm)
+        if plan.env:
+            where["env"] = plan.env
+        if plan.setup:
+            where["setup"] = plan.setup
+    if req.slurm is not None:
+        where["slurm"] = req.slurm
+    return req, where
+
+
+def _slurm_note(slurm: Any, exc: BaseException) -> None:
+    """A cell failed: when the pool's Slurm allocation is the cause (a node down, the time
+    limit), say so, naming the node, on the error and on stderr."""
+    if slurm is None or getattr(slurm, "allocation", None) is None:
+        return
+    try:
+        why = slurm.failure()
+    except Exception:  # noqa: BLE001 - the cell's own error matters more
+        return
+    if why:
+        import sys
+        exc.add_note(why)
+        print(f"hvd: {why}", file=sys.stderr)
 
 
 def _remove_transformer(shell: Any, fn: Any) -> None:

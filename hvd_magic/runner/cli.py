@@ -74,6 +74,20 @@ def build_parser() -> argparse.ArgumentParser:
                        help="hosts and their slots, e.g. node1:4,node2:4 (default: this machine)")
     hosts.add_argument("--hostfile", metavar="FILE",
                        help="file with one host per line, 'host slots=N' or 'host:N'")
+    hosts.add_argument("--slurm", action="store_true",
+                       help="get a Slurm allocation for the ranks (salloc), run in it, release "
+                            "it at the end; inside an sbatch/salloc job its allocation is used "
+                            "without this flag")
+    hosts.add_argument("--profile", metavar="NAME",
+                       help="a cluster profile (NAME.toml in HVD_MAGIC_PROFILE_DIR or "
+                            "~/.hvd_magic/profiles): hosts or Slurm, ranks, network, setup")
+    p.add_argument("--partition", metavar="P", help="--slurm: the partition")
+    p.add_argument("--time", metavar="T", help="--slurm: the time limit (minutes, H:MM:SS)")
+    p.add_argument("--nodes", type=_positive_int, metavar="N", help="--slurm: number of nodes")
+    p.add_argument("--gpus-per-node", type=_positive_int, metavar="G",
+                   help="--slurm: GPUs on each node")
+    p.add_argument("--profiles", action="store_true",
+                   help="list the cluster profiles, and exit")
     p.add_argument("--oversubscribe", action="store_true",
                    help="allow more ranks than the hosts' slots, or than 4 per core here")
     p.add_argument("--timeline-filename", metavar="F",
@@ -200,7 +214,27 @@ def main(argv: Optional[List[str]] = None) -> int:
     ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if ns.check_build:
         return check_build()
+    if ns.profiles:
+        import os
+        from .profiles import describe, find_profiles, profile_dir
+        where = profile_dir(os.environ)
+        print(describe(find_profiles(where), where))
+        return 0
+    try:
+        setup = apply_profile(ns)
+    except ValueError as exc:
+        parser.error(str(exc))
     args = to_launch_args(ns, parser)
+    args.extra_env.update(getattr(ns, "profile_env", {}))
+    if slurm_wanted(ns):
+        return run_in_slurm(ns, args, setup, parser)
+    if setup:
+        from ..kernel.setup_lines import run_setup
+        try:
+            run_setup(setup, args.hosts, None, status=_say)
+        except ValueError as exc:
+            sys.stderr.write(f"hvdrun: {exc}\n")
+            return 1
     try:
         argv_, env = prepare(args)
     except MpiNotFoundError as exc:
@@ -209,6 +243,87 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ValueError as exc:              # what only this MPI cannot do
         parser.error(str(exc))
     return execute(argv_, env)
+
+
+def _say(text: str) -> None:
+    sys.stderr.write(text.replace("hvd:", "hvdrun:", 1) + "\n")
+    sys.stderr.flush()
+
+
+def apply_profile(ns: argparse.Namespace) -> List[str]:
+    """``--profile NAME``: fill the namespace from the profile (options given on the command
+    line win); return its setup lines."""
+    if ns.profile is None:
+        return []
+    import os
+    from .profiles import launch_of, load_profile
+    plan = launch_of(load_profile(ns.profile, os.environ), ns.np)
+    ns.np = plan.np
+    if plan.hosts:
+        ns.hosts = ",".join(f"{h.name}:{h.slots}" for h in plan.hosts)
+    if plan.slurm is not None:
+        ns.slurm = True
+        for key, value in plan.slurm.items():
+            if getattr(ns, key) is None:
+                setattr(ns, key, value)
+    if ns.network_interface is None:
+        ns.network_interface = plan.network_interface
+    ns.profile_env = plan.env
+    return plan.setup
+
+
+def slurm_wanted(ns: argparse.Namespace) -> bool:
+    """--slurm, or no host options inside an sbatch/salloc job (its allocation is used)."""
+    import os
+    from .slurm import allocation_from_env
+    opts = [ns.partition, ns.time, ns.nodes, ns.gpus_per_node]
+    if any(v is not None for v in opts) and not ns.slurm:
+        raise SystemExit("hvdrun: error: --partition/--time/--nodes/--gpus-per-node go with "
+                         "--slurm, e.g. hvdrun -np 8 --slurm --nodes 2 python train.py")
+    if ns.slurm:
+        return True
+    return ns.hosts is None and ns.hostfile is None and \
+        allocation_from_env(os.environ) is not None
+
+
+def run_in_slurm(ns: argparse.Namespace, args: LaunchArgs, setup: List[str],
+                 parser: argparse.ArgumentParser) -> int:
+    """Run the job in a Slurm allocation: the one this process is in (used as is), or one
+    made for it with salloc and released (scancel) when the job ends."""
+    import os
+    from ..kernel.slurm_alloc import Allocation, SlurmError
+    from .slurm import SlurmRequest
+    env = dict(os.environ)
+    opts = {k: getattr(ns, k) for k in ("partition", "time", "nodes", "gpus_per_node")}
+    alloc = None
+    if not any(v is not None for v in opts.values()):
+        alloc = Allocation.from_env(env)
+    try:
+        if alloc is None:
+            for key in ("SLURM_JOB_ID", "SLURM_JOBID"):
+                env.pop(key, None)
+            request = SlurmRequest(**{k: v for k, v in opts.items() if v is not None})
+            alloc = Allocation.acquire(request, args.np, env, status=_say, watch=False)
+        else:
+            _say(f"hvd: using this Slurm job ({alloc.job_id}): "
+                 + ", ".join(f"{h.name}:{h.slots}" for h in alloc.hosts))
+        args.hosts, args.hostfile = alloc.hosts, None
+        env.update(alloc.env())
+        validate(args)
+        if setup:
+            from ..kernel.setup_lines import run_setup
+            run_setup(setup, alloc.hosts, alloc.job_id, env, status=_say)
+        argv_, run_env = prepare(args, env)
+        return execute(argv_, run_env)
+    except (ValueError, SlurmError) as exc:
+        sys.stderr.write(f"hvdrun: {exc}\n")
+        return 1
+    except MpiNotFoundError as exc:
+        sys.stderr.write(f"hvdrun: {exc}\n")
+        return 127
+    finally:
+        if alloc is not None and alloc.release():
+            _say(f"hvd: Slurm job {alloc.job_id} released")
 
 
 if __name__ == "__main__":
