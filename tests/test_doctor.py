@@ -191,3 +191,24 @@ def test_doctor_on_two_hosts_with_a_1_gbit_link(shaped_hosts):
     assert took < 30, took
     print(f"doctor: {link['bandwidth'] * 8 / 1e9:.3f} Gbit/s, latency {link['latency'] * 1e6:.0f}"
           f" us (TCP echo {tcp * 1e6:.0f} us), {took:.1f} s")
+
+
+# ---------------------------------------------------------------- through the magic
+
+def test_doctor_magic_on_one_host(capsys):
+    torch = pytest.importorskip("torch")
+    from IPython.testing.globalipapp import get_ipython, start_ipython
+    ip = start_ipython() or get_ipython()
+    ip.run_line_magic("load_ext", "hvd_magic")
+    try:
+        ip.user_ns["net"] = torch.nn.Linear(1000, 500)        # 2.002 MB of gradients
+        res = ip.run_cell("%hvd doctor -np 2 --model net --step-time 0.05")
+        assert res.success, res.error_in_exec
+        out = capsys.readouterr().out
+        assert "hvd doctor: 2 ranks on 1 host(s)" in out and "verdict: ready" in out, out
+        assert "prediction: 2.00 MB of gradients per step" in out, out
+        res = ip.run_cell("%hvd doctor --model nothere --step-time 1")
+        assert type(res.error_in_exec).__name__ == "UsageError"
+        assert "no such variable" in str(res.error_in_exec)
+    finally:
+        ip.run_line_magic("unload_ext", "hvd_magic")

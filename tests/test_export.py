@@ -91,8 +91,8 @@ def _quickstart_cells():
 def test_quickstart_round_trip(tmp_path, capsys):
     pytest.importorskip("torch")
     pytest.importorskip("sklearn")
-    from IPython.testing.globalipapp import start_ipython
-    ip = start_ipython()
+    from IPython.testing.globalipapp import get_ipython, start_ipython
+    ip = start_ipython() or get_ipython()
     ip.run_line_magic("load_ext", "hvd_magic")
     try:
         capsys.readouterr()
@@ -116,3 +116,49 @@ def test_quickstart_round_trip(tmp_path, capsys):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     got = collections.Counter(ln for ln in proc.stdout.splitlines() if ln.strip())
     assert got == expected, (got, expected, script.read_text())
+
+
+@pytest.mark.slow
+def test_three_rank_round_trip_with_push_and_rank_guards(tmp_path, capsys):
+    from IPython.testing.globalipapp import get_ipython, start_ipython
+    ip = start_ipython() or get_ipython()
+    ip.run_line_magic("load_ext", "hvd_magic")
+    cells = [("-np 3 --no-stream", "import numpy as np\nimport hvd_magic.collectives as hvd\n"
+                                   "print('size', hvd.size())"),
+             ("--no-stream", "s = hvd.allreduce(np.array([lr * (hvd.rank() + 1)]), op=hvd.Sum)\n"
+                             "print('sum', float(s[0]), cfg['name'])"),
+             ("--rank 2", "print('only rank', hvd.rank())"),
+             ("--ranks 0,1", "hvd.rank() * 10")]
+    try:
+        capsys.readouterr()
+        ip.user_ns.update(lr=0.5, cfg={"name": "x", "arr": np_array()})
+        for i, (line, body) in enumerate(cells):
+            if i == 1:
+                ip.run_line_magic("hvd", "push lr cfg")
+            res = ip.run_cell(f"%%hvd {line}\n{body}")
+            assert res.success, res.error_in_exec
+        cells_out = capsys.readouterr().out
+        script = tmp_path / "three.py"
+        ip.run_line_magic("hvd", f"export {script}")
+        said = capsys.readouterr().out
+    finally:
+        ip.run_line_magic("hvd", "stop")
+        ip.run_line_magic("unload_ext", "hvd_magic")
+    assert "hvdrun -np 3 python" in said, said
+    text = script.read_text()
+    assert "lr = 0.5" in text and "cfg = _hvd_unpickle(" in text
+    expected = collections.Counter(m.group(2) for m in map(RANK_LINE.match,
+                                                          cells_out.splitlines()) if m)
+    assert expected["sum 3.0 x"] == 3 and expected["only rank 2"] == 1, cells_out
+    assert expected["0"] == 1 and expected["10"] == 1, cells_out
+    proc = subprocess.run([sys.executable, "-m", "hvd_magic.runner.cli", "-np", "3",
+                           "python", str(script)], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = collections.Counter(ln for ln in proc.stdout.splitlines() if ln.strip())
+    assert got == expected, (got, expected, text)
+
+
+def np_array():
+    import numpy as np
+    return np.arange(3.0)
