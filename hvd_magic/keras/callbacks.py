@@ -63,18 +63,25 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     def _broadcast_optimizer(self) -> None:
         opt = getattr(self.model, "optimizer", None)
         if opt is not None and optimizer_built(opt) and not self._optimizer_done:
-            broadcast_variables(opt.variables, self.root_rank)
+            found = opt.variables
+            broadcast_variables(found() if callable(found) else found, self.root_rank)
             self._optimizer_done = True
 
-    def on_train_begin(self, logs: Optional[dict] = None) -> None:
-        if self.broadcast_done:
-            return
+    def _broadcast_model(self) -> None:
         broadcast_variables([v for v in self.model.variables if var_key(v) not in self._local_vars],
                             self.root_rank)
         self._broadcast_optimizer()
         self.broadcast_done = True
 
+    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        # a Keras 2 model given no input shape gets its weights from the first batch: then
+        # the broadcast follows that batch, as Horovod's does
+        if not self.broadcast_done and getattr(self.model, "built", True):
+            self._broadcast_model()
+
     def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+        if not self.broadcast_done:
+            self._broadcast_model()
         # an optimizer built lazily by the first step: its slots follow the root's
         self._broadcast_optimizer()
 

@@ -88,6 +88,17 @@ def _():
         close(f"fit weight {i} vs single process", a, b, atol=1e-5)
 
 
+@check("fit of a model given no input shape (built by its first batch, as in the examples)")
+def _():
+    tf.keras.utils.set_random_seed(30 + R)
+    m = tf.keras.Sequential([tf.keras.layers.Dense(4, activation="tanh"), tf.keras.layers.Dense(1)])
+    m.compile(optimizer=hk.DistributedOptimizer(tf.keras.optimizers.Adam(0.01)), loss="mse")
+    x, y = data(R)
+    m.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+          callbacks=[hk.callbacks.BroadcastGlobalVariablesCallback(0)])
+    same_on_every_rank("unbuilt model", m.get_weights())
+
+
 @check("fit with a tf_keras legacy optimizer and LearningRateWarmupCallback")
 def _():
     m = model(seed=10 + R)
