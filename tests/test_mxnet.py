@@ -3,7 +3,9 @@ under mpiexec at 2 and 3 ranks in .venv-mxnet (MXNet 1.9.1 needs numpy<1.24: its
 environment, made by `make setup`). Skipped, saying why, when .venv-mxnet is missing."""
 from __future__ import annotations
 
+import json
 import subprocess
+import sys
 
 import pytest
 
@@ -12,6 +14,7 @@ from mpi_harness import HERE, mpi_env
 from hvd_magic.mxnet import plan
 
 ROOT = HERE.parent
+NOTEBOOK = ROOT / "notebooks" / "mxnet" / "mxnet_gluon.ipynb"
 MX_PY = ROOT / ".venv-mxnet" / "bin" / "python"
 NP = pytest.mark.parametrize("np_", [2, 3], ids=["np2", "np3"])
 needs_mx_venv = pytest.mark.skipif(
@@ -89,3 +92,21 @@ def test_mxnet_face_under_mpi(np_):
     batch, mismatch errors naming tensor and ranks on every rank."""
     proc = mx_mpirun("mxnet_checks.py", np_, timeout=120)
     assert proc.stdout.count("done, 0 failures") == np_, proc.stdout
+
+
+@needs_mx_venv
+def test_mxnet_notebook_on_a_mxnet_kernel(tmp_path):
+    """notebooks/mxnet/ (left out of the main run by pyproject's addopts: .venv has no
+    mxnet) runs top to bottom under nbval with "python3" meaning .venv-mxnet's Python, so
+    that its %%hvd pool runs there too; cells marked NBVAL_CHECK_OUTPUT are compared."""
+    spec = tmp_path / "kernels" / "python3"
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [str(MX_PY), "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "Python 3 (.venv-mxnet)", "language": "python"}))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+           "--nbval-lax", "--nbval-sanitize-with", str(ROOT / "notebooks" / "sanitize.cfg"),
+           str(NOTEBOOK)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env({"JUPYTER_PATH": str(tmp_path)}),
+                          capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-6000:] + proc.stderr[-3000:]
