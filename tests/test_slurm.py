@@ -167,9 +167,9 @@ def _result(proc: subprocess.CompletedProcess, cluster) -> dict:
     return json.loads(lines[0][len("RESULT "):])
 
 
-def _scenario(cluster, name: str, timeout: float = 90) -> dict:
+def _scenario(cluster, name: str, timeout: float = 90, **env: str) -> dict:
     proc = cluster.run([PY, str(HERE / "mpi" / "slurm_pool.py"), name, cluster.nodes[1]],
-                       timeout=timeout, check=False, cwd=str(ROOT))
+                       timeout=timeout, check=False, cwd=str(ROOT), env=cluster.env(**env))
     return _result(proc, cluster)
 
 
@@ -287,4 +287,62 @@ def test_hvdrun_slurm_gets_and_releases_an_allocation(cluster):
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
     assert [r["host"] for r in _ranks(proc.stdout)] == cluster.nodes
     assert "released" in proc.stderr
+    assert cluster.wait_no_jobs(5) == []
+
+
+@pytest.mark.slow
+@pytest.mark.multihost
+def test_the_idle_timeout_releases_the_job(cluster):
+    """HVD_MAGIC_SLURM_IDLE_TIMEOUT=2: a cell restarts the clock; 2 s without one stop the
+    pool and cancel the job."""
+    res = _scenario(cluster, "idle")
+    live = [f"{res['job']} RUNNING"]
+    assert res["squeue_live"] == live and res["squeue_after_cell"] == live
+    assert res["squeue_idle"] == [] and res["pool_gone"]
+
+
+PROFILE = """\
+description = "the test cluster"
+scheduler = "slurm"
+processes_per_host = 1
+setup = ["echo x > {d}/$(hostname).1 && sleep 0.3",
+         "ls {d} | grep -c '[.]1$' > {d}/$(hostname).seen"]
+
+[slurm]
+nodes = 2
+time = "5"
+
+[env]
+HVD_TEST_MARK = "from-profile"
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.multihost
+def test_a_profile_runs_its_setup_on_every_node_then_the_pool(cluster, tmp_path):
+    """%%hvd --profile slurm2: its setup lines ran on both nodes in order, the second only
+    after both had run the first (each saw 2 files); one rank per node; its [env] reached
+    the ranks; %hvd profiles lists it. hvdrun --profile does the same for a script."""
+    out = Path(cluster.dir) / "setup-out"
+    out.mkdir()
+    profiles = Path(cluster.dir) / "profiles"
+    profiles.mkdir()
+    (profiles / "slurm2.toml").write_text(PROFILE.format(d=out))
+    res = _scenario(cluster, "profile", HVD_MAGIC_PROFILE_DIR=str(profiles))
+    n1, n2 = cluster.nodes
+    assert "slurm2" in res["profiles"] and "slurm nodes=2 time=5" in res["profiles"]
+    assert "2 setup line(s)" in res["profiles"] and "the test cluster" in res["profiles"]
+    assert res["where"] == {"0": [n1, "from-profile"], "1": [n2, "from-profile"]}
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [f"{n1}.1", f"{n2}.1", f"{n1}.seen", f"{n2}.seen"])
+    assert [(out / f"{n}.seen").read_text().strip() for n in (n1, n2)] == ["2", "2"]
+    assert res["squeue_after"] == []
+    for p in out.iterdir():
+        p.unlink()
+    proc = cluster.run([PY, "-m", "hvd_magic.runner.cli", "--profile", "slurm2", "python",
+                        str(HERE / "mpi" / "multihost_rank.py")], timeout=60, check=False,
+                       cwd=str(ROOT), env=cluster.env(HVD_MAGIC_PROFILE_DIR=str(profiles)))
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    assert [r["host"] for r in _ranks(proc.stdout)] == [n1, n2]
+    assert "setup 2/2" in proc.stderr and (out / f"{n2}.seen").read_text().strip() == "2"
     assert cluster.wait_no_jobs(5) == []

@@ -121,6 +121,18 @@ class PoolManager:
         old = self.pool
         if old is not None and old.alive() and request == self._running:
             return old                          # fast path: nothing to look up or plan
+        self._slurm.touch(True)                 # no idle timeout while a pool starts
+        try:
+            return self._ensure(request, np, hosts, hostfile, sink, oversubscribe, min_np,
+                                slurm, env, setup)
+        finally:
+            self._slurm.touch(False)
+
+    def _ensure(self, request: Request, np: int, hosts: Optional[List[Host]],
+                hostfile: Optional[str], sink: Optional[OutputSink], oversubscribe: bool,
+                min_np: Optional[int], slurm: Optional[Dict[str, Any]],
+                env: Optional[Dict[str, str]], setup: Sequence[str]) -> Pool:
+        old = self.pool
         extra: Dict[str, Any] = {"env": env} if env else {}
         if slurm is not None:
             extra["slurm"] = self._slurm.allocation_for(slurm, np, sink)

@@ -61,8 +61,6 @@ class Allocation:
         self.addrs: Dict[str, str] = {}
         self.released = False
         self._watcher: Optional[subprocess.Popen] = None
-        self.last_used = time.monotonic()
-        self.busy = 0
 
     # ------------------------------------------------------------------ getting one
     @classmethod
@@ -217,21 +215,20 @@ class Allocation:
 
 
 class IdleReaper:
-    """Calls ``stop()`` once ``holder`` (an :class:`Allocation`) has been idle (no cell
-    running) for ``timeout`` seconds; checks every ``period`` s in a daemon thread."""
+    """Calls ``stop()`` once ``idle_s()`` (seconds since the last use, None while in use)
+    passes ``timeout``; checks every ``period`` s in a daemon thread until cancelled."""
 
-    def __init__(self, holder: Allocation, timeout: float, stop: Callable[[], None],
-                 period: float = 1.0) -> None:
-        self.holder, self.timeout, self.stop_fn, self.period = holder, timeout, stop, period
+    def __init__(self, idle_s: Callable[[], Optional[float]], timeout: float,
+                 stop: Callable[[], None], period: float = 0.5) -> None:
+        self.idle_s, self.timeout, self.stop_fn, self.period = idle_s, timeout, stop, period
         self._done = threading.Event()
         threading.Thread(target=self._loop, name="hvd-slurm-idle", daemon=True).start()
 
     def _loop(self) -> None:
         while not self._done.wait(self.period):
-            h = self.holder
-            if h.released:
-                return
-            if not h.busy and time.monotonic() - h.last_used > self.timeout:
+            idle = self.idle_s()
+            if idle is not None and idle > self.timeout and not self._done.is_set():
+                self._done.set()
                 self.stop_fn()
                 return
 

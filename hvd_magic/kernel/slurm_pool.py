@@ -31,6 +31,8 @@ class SlurmKeeper:
         self.allocation: Optional[Allocation] = None
         self.stop_pool = stop_pool
         self._reaper: Optional[IdleReaper] = None
+        self.busy = 0                                # cells (or a pool start) under way
+        self.last_used = time.monotonic()
 
     def allocation_for(self, options: Mapping[str, Any], np: int, sink: Any = None,
                        environ: Optional[Mapping[str, str]] = None) -> Allocation:
@@ -45,7 +47,6 @@ class SlurmKeeper:
         if held is not None:
             want = None if use_inside else request
             if held.matches(want, np) and held.usable():
-                held.last_used = time.monotonic()
                 return held
             why = held.failure()
             self.release(sink, why=why or "the request changed")
@@ -63,7 +64,8 @@ class SlurmKeeper:
             self.allocation = Allocation.acquire(request, np, env, status=status)
         idle = config.get("HVD_MAGIC_SLURM_IDLE_TIMEOUT", env)
         if idle and idle > 0 and self.allocation.owned:
-            self._reaper = IdleReaper(self.allocation, idle, self._idle_stop)
+            self.last_used = time.monotonic()
+            self._reaper = IdleReaper(self._idle_s, idle, self._idle_stop)
         return self.allocation
 
     def _idle_stop(self) -> None:
@@ -75,11 +77,12 @@ class SlurmKeeper:
                   "(HVD_MAGIC_SLURM_IDLE_TIMEOUT)")
 
     def touch(self, busy: bool) -> None:
-        """A cell starts (``busy``) or ends: the idle clock starts again."""
-        alloc = self.allocation
-        if alloc is not None:
-            alloc.busy = max(0, alloc.busy + (1 if busy else -1))
-            alloc.last_used = time.monotonic()
+        """A cell (or a pool start) begins (``busy``) or ends: the idle clock starts again."""
+        self.busy = max(0, self.busy + (1 if busy else -1))
+        self.last_used = time.monotonic()
+
+    def _idle_s(self) -> Optional[float]:
+        return None if self.busy else time.monotonic() - self.last_used
 
     def failure(self) -> str:
         """Why the held allocation cannot run the pool any more (naming nodes), or ``""``."""

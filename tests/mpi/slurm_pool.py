@@ -9,6 +9,9 @@ cell reuses the pool and the job; ``%hvd stop``; ``squeue`` after.
 the cell ends, and its error text.
 
 ``exit``: a pool on Slurm, then the process exits without ``%hvd stop`` (kernel exit).
+``idle``: a pool on Slurm with HVD_MAGIC_SLURM_IDLE_TIMEOUT=2, then no cell for 5 s.
+``profile``: ``%hvd profiles``, then ``%%hvd --profile slurm2`` (HVD_MAGIC_PROFILE_DIR is set
+by the test): its setup lines ran on both nodes, its variables reached the ranks.
 ``killed``: a pool on Slurm, then ``READY``; the test kills this process with SIGKILL.
 """
 import json
@@ -127,6 +130,36 @@ def exit_without_stop():
     res["squeue_live"] = squeue()
 
 
+def idle():
+    os.environ["HVD_MAGIC_SLURM_IDLE_TIMEOUT"] = "2"
+    shell, mg = shell_and_magics()
+    shell.run_cell_magic("hvd", "-np 2 --slurm --nodes 2", "1")
+    res["job"] = mg.manager.slurm.allocation.job_id
+    res["squeue_live"] = squeue()
+    time.sleep(1.5)
+    shell.run_cell_magic("hvd", "", "2")          # a cell: the idle clock starts again
+    res["squeue_after_cell"] = squeue()
+    time.sleep(4.5)
+    res["squeue_idle"] = squeue()
+    res["pool_gone"] = mg.manager.pool is None and mg.manager.slurm.allocation is None
+
+
+def profile():
+    import io
+    from contextlib import redirect_stdout
+    shell, mg = shell_and_magics()
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        shell.run_line_magic("hvd", "profiles")
+    res["profiles"] = buf.getvalue()
+    shell.run_cell_magic("hvd", "--profile slurm2 --out where",
+                         "import os, socket\n(socket.gethostname(), os.environ.get('HVD_TEST_MARK'))")
+    res["where"] = {str(r): list(v) for r, v in shell.user_ns["where"].items()}
+    res["job"] = mg.manager.slurm.allocation.job_id
+    shell.run_line_magic("hvd", "stop")
+    res["squeue_after"] = squeue()
+
+
 def killed():
     shell, mg = shell_and_magics()
     shell.run_cell_magic("hvd", "-np 2 --slurm --nodes 2", "1")
@@ -138,7 +171,7 @@ def killed():
 if scenario == "killed":
     killed()
 else:
-    {"cells": cells, "nodedown": nodedown, "exit": exit_without_stop}[scenario]()
+    {"cells": cells, "nodedown": nodedown, "exit": exit_without_stop, "idle": idle,
+     "profile": profile}[scenario]()
     print("RESULT " + json.dumps(res, default=str), flush=True)
-    sys.stdout.flush()
-    os.environ.get("HVD_MAGIC_NP")   # (the process exits here; atexit releases the job)
+    sys.stdout.flush()   # the process exits here: atexit releases a job still held
