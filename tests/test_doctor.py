@@ -97,6 +97,15 @@ def test_gradient_bytes_of_a_torch_model():
         D.gradient_bytes(3)
 
 
+def test_unreached_hosts_are_named():
+    out = ("agent: unknown host 10.0.0.7\n  Local host:    a\n  Remote host:   10.0.0.7\n"
+           "ssh: Could not resolve hostname nodeX: Name or service not known\n")
+    assert D.unreached_hosts(out) == ["10.0.0.7", "nodeX"]
+    rep = D.failed_report(2, out, "the probe failed")
+    assert "host(s) not reached: 10.0.0.7, nodeX" in rep.problems[0]
+    assert "reachable: NO" in D.render_text(rep)
+
+
 def test_doctor_line_args():
     req = parse_line_args("doctor -np 4 -H a:2,b:2 --model-bytes 2e6 --step-time 0.05")
     assert req.pool.np == 4 and req.doctor["model_bytes"] == 2e6
@@ -191,6 +200,17 @@ def test_doctor_on_two_hosts_with_a_1_gbit_link(shaped_hosts):
     assert took < 30, took
     print(f"doctor: {link['bandwidth'] * 8 / 1e9:.3f} Gbit/s, latency {link['latency'] * 1e6:.0f}"
           f" us (TCP echo {tcp * 1e6:.0f} us), {took:.1f} s")
+
+
+def test_doctor_names_a_host_it_cannot_reach(shaped_hosts):
+    h = shaped_hosts
+    env = h.env(OMPI_MCA_btl="self,tcp", PRTE_MCA_hwloc_default_binding_policy="none")
+    proc = h.run([PY, "-m", "hvd_magic.runner.doctor_run", "-np", "2", "-H",
+                  f"{h.a.ip}:1,10.233.0.7:1", "--network-interface", SUBNET], env=env,
+                 timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "PROBLEM: host(s) not reached: 10.233.0.7" in proc.stdout, proc.stdout
+    assert "reachable: NO" in proc.stdout
 
 
 # ---------------------------------------------------------------- through the magic

@@ -125,6 +125,32 @@ def gradient_bytes(model: Any) -> float:
     return float(total)
 
 
+def unreached_hosts(output: str) -> List[str]:
+    """Hosts a failed launch names as not reached (Open MPI's "Remote host:" lines, the
+    ssh stand-in's "unknown host"), in order, once each."""
+    import re
+    found = re.findall(r"Remote host:\s+(\S+)|unknown host (\S+)|"
+                       r"ssh: Could not resolve hostname (\S+?):", output)
+    out: List[str] = []
+    for groups in found:
+        name = next(g for g in groups if g)
+        if name not in out:
+            out.append(name)
+    return out
+
+
+def failed_report(np: int, output: str, why: str) -> Report:
+    """The report of a probe that did not complete: the hosts not reached, named."""
+    rep = Report(np=np, hosts={}, versions={}, gpus={})
+    missing = unreached_hosts(output)
+    if missing:
+        rep.problems.append(f"host(s) not reached: {', '.join(missing)}; check that ssh to "
+                            "each works without a password, the name resolves, and no "
+                            "firewall blocks it")
+    rep.problems.append(why)
+    return rep
+
+
 def _by(records: Sequence[Mapping[str, Any]], key: str) -> Dict[str, List[int]]:
     out: Dict[str, List[int]] = {}
     for r in records:
@@ -196,7 +222,8 @@ def render_text(rep: Report) -> str:
     """The report as plain text (the widget's fallback and ``--json``-less CLI output)."""
     lines = [f"hvd doctor: {rep.np} ranks on {len(rep.hosts)} host(s): "
              + ", ".join(f"{h} (ranks {rs})" for h, rs in rep.hosts.items())]
-    lines.append("  reachable: every host started its ranks")
+    lines.append("  reachable: " + ("every host started its ranks" if rep.hosts else
+                                    "NO (the probe did not run on every rank)"))
     for pkg, seen in rep.versions.items():
         mark = "ok " if len(seen) == 1 else "BAD"
         lines.append(f"  {mark} {pkg:<11} " + "; ".join(

@@ -11,7 +11,7 @@ import json
 import sys
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from .doctor import Report, analyse, render_text
+from .doctor import Report, analyse, failed_report, render_text
 from .doctor_probe import PREFIX
 from .plan import Host, LaunchArgs, is_single_host, parse_hosts
 
@@ -56,9 +56,7 @@ def run_doctor(np: int, hosts: Optional[Sequence[Host]] = None, hostfile: Option
     try:
         record = probe(np, hosts, hostfile, network_interface, env)
     except RuntimeError as exc:
-        rep = Report(np=np, hosts={}, versions={}, gpus={})
-        rep.problems.append(str(exc))
-        return rep
+        return failed_report(np, str(exc), str(exc))
     return analyse(record, model_bytes, step_time)
 
 
