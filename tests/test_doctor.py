@@ -3,9 +3,6 @@ check on two namespace hosts whose link is shaped to 1 Gbit/s with tc's tbf."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import statistics
 import subprocess
 import sys
 import time
