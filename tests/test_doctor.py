@@ -173,6 +173,8 @@ def _tcp_latency(hosts) -> float:
         server.wait()
 
 
+@pytest.mark.slow
+@pytest.mark.multihost
 def test_doctor_on_two_hosts_with_a_1_gbit_link(shaped_hosts):
     h = shaped_hosts
     # Both "hosts" share this machine's cores: Open MPI's default binding would put each
@@ -199,6 +201,8 @@ def test_doctor_on_two_hosts_with_a_1_gbit_link(shaped_hosts):
           f" us (TCP echo {tcp * 1e6:.0f} us), {took:.1f} s")
 
 
+@pytest.mark.slow
+@pytest.mark.multihost
 def test_doctor_names_a_host_it_cannot_reach(shaped_hosts):
     h = shaped_hosts
     env = h.env(OMPI_MCA_btl="self,tcp", PRTE_MCA_hwloc_default_binding_policy="none")
