@@ -168,3 +168,20 @@ def test_hvdrun_lists_profiles_and_refuses_a_bad_one(tmp_path):
                           "python", "-c", "1"], env=env, capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2 and "bad.toml:2: hosts" in bad.stderr, bad.stderr
+
+
+def test_setup_lines_run_in_order_and_a_failing_line_stops_the_start(tmp_path):
+    """On a host list the lines run through mpiexec, one process per host (here the one
+    local host); a line that fails says which line and shows its output."""
+    from hvd_magic.kernel.setup_lines import run_setup
+    seen = []
+    run_setup([f"echo one > {tmp_path}/a", f"cat {tmp_path}/a > {tmp_path}/b"],
+              hosts=[Host("localhost", 4)], status=seen.append)
+    assert (tmp_path / "b").read_text() == "one\n"
+    assert seen[0].startswith("hvd: setup 1/2 on every host: echo one")
+    with pytest.raises(ValueError) as info:
+        run_setup(["echo fine", "echo broken-line >&2; exit 3", f"touch {tmp_path}/never"],
+                  hosts=None)
+    msg = str(info.value)
+    assert "setup line 2" in msg and "exit" in msg and "broken-line" in msg, msg
+    assert not (tmp_path / "never").exists()

@@ -162,8 +162,8 @@ class HvdMagics(Magics):
             return
         print(render_status(pool.status()))
         held = getattr(self.manager, "slurm", None)
-        if held is not None and held.info():
-            info = held.info()
+        info = held.info() if held is not None else None
+        if isinstance(info, dict) and info:
             print(f"  slurm: job {info['job_id']} on {', '.join(info['nodes'])}"
                   + ("" if info["owned"] else " (the job this kernel runs in)"))
 
@@ -330,7 +330,7 @@ def _slurm_note(slurm: Any, exc: BaseException) -> None:
         why = slurm.failure()
     except Exception:  # noqa: BLE001 - the cell's own error matters more
         return
-    if why:
+    if isinstance(why, str) and why:
         import sys
         exc.add_note(why)
         print(f"hvd: {why}", file=sys.stderr)
