@@ -253,7 +253,8 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dens
                          "with hvd_magic.tensorflow.DistributedGradientTape(tape, op=hvd.Adasum)")
     passes = _check_passes(backward_passes_per_step)
     reducer = GradientReducer(compression, op, gradient_predivide_factor, sparse_as_dense,
-                              num_groups, groups, f"DistributedOptimizer.{name or _optimizer_name(optimizer)}",
+                              num_groups, groups,
+                              f"DistributedOptimizer.{name or _optimizer_name(optimizer)}",
                               "DistributedOptimizer", process_set)
     settings = dict(name=name, device_dense=device_dense, device_sparse=device_sparse,
                     compression=compression, sparse_as_dense=sparse_as_dense,
