@@ -214,6 +214,31 @@ def test_doctor_names_a_host_it_cannot_reach(shaped_hosts):
     assert "reachable: NO" in proc.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.multihost
+def test_doctor_with_a_cluster_profile(shaped_hosts, tmp_path):
+    h = shaped_hosts
+    (tmp_path / "lab.toml").write_text(
+        f'scheduler = "hosts"\nhosts = ["{h.a.ip}", "{h.b.ip}"]\nslots_per_host = 1\n'
+        f'network_interface = "{SUBNET}"\n')
+    env = h.env(OMPI_MCA_btl="self,tcp", PRTE_MCA_hwloc_default_binding_policy="none",
+                HVD_MAGIC_PROFILE_DIR=str(tmp_path))
+    proc = h.run([PY, "-m", "hvd_magic.runner.doctor_run", "--json", "--profile", "lab"],
+                 env=env, timeout=60)
+    why = f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert proc.returncode == 0, why
+    rep = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert sorted(rep["hosts"]) == [h.a.ns, h.b.ns] and rep["np"] == 2, why
+    assert rep["links"][0]["bandwidth"] == pytest.approx(1e9 / 8, rel=0.2), why
+
+
+def test_hvdrun_options_for_slurm_and_profiles():
+    from hvd_magic.runner.doctor_run import hvdrun_options
+    assert hvdrun_options(None, profile="lab") == ["--profile", "lab"]
+    assert hvdrun_options(4, slurm={"nodes": 2, "partition": None, "time": "5"}) == \
+        ["-np", "4", "--slurm", "--nodes", "2", "--time", "5"]
+
+
 # ---------------------------------------------------------------- through the magic
 
 def test_doctor_magic_on_one_host(capsys):

@@ -240,10 +240,6 @@ class HvdMagics(Magics):
         """``%hvd doctor ...``: a pre-flight check of the pool these arguments would start."""
         from ..runner.doctor_run import run_doctor
         from ..widgets.doctor import show_report
-        for flag in ("slurm", "profile"):
-            if getattr(req.pool, flag, None):
-                raise UsageError(f"%hvd doctor --{flag}: not supported yet; check the hosts "
-                                 "of the allocation or profile with -H HOSTS or --hostfile F")
         model_bytes = req.doctor.get("model_bytes")
         model_name = req.doctor.get("model")
         if model_name is not None:
@@ -256,10 +252,12 @@ class HvdMagics(Magics):
             except (TypeError, ValueError) as exc:
                 raise _usage(exc) from None
         try:
-            report = run_doctor(req.pool.np or self.manager.default_np(), req.pool.hosts,
-                                req.pool.hostfile, model_bytes=model_bytes,
+            profile = getattr(req.pool, "profile", None)
+            np = req.pool.np or (None if profile else self.manager.default_np())
+            report = run_doctor(np, req.pool.hosts, req.pool.hostfile, model_bytes=model_bytes,
                                 step_time=req.doctor.get("step_time"),
-                                network_interface=req.doctor.get("network_interface"))
+                                network_interface=req.doctor.get("network_interface"),
+                                slurm=getattr(req.pool, "slurm", None), profile=profile)
         except (ValueError, TypeError) as exc:
             raise _usage(exc) from None
         show_report(report)

@@ -3,6 +3,9 @@ hand it to :func:`.doctor.analyse`. Also a command line::
 
     python -m hvd_magic.runner.doctor_run -np 2 -H a:1,b:1 [--network-interface eth0]
         [--model-bytes 2e6 --step-time 0.05] [--json]
+    python -m hvd_magic.runner.doctor_run --profile NAME | --slurm [--nodes 2 ...]
+
+A Slurm pool or a profile's goes through ``hvdrun`` itself (allocation, set-up lines).
 """
 from __future__ import annotations
 
@@ -48,33 +51,87 @@ def probe(np: int, hosts: Optional[Sequence[Host]] = None, hostfile: Optional[st
     return json.loads(found[-1])
 
 
-def run_doctor(np: int, hosts: Optional[Sequence[Host]] = None, hostfile: Optional[str] = None,
-               *, model_bytes: Optional[float] = None, step_time: Optional[float] = None,
-               network_interface: Optional[str] = None,
-               env: Optional[Mapping[str, str]] = None) -> Report:
-    """Probe, then analyse: the :class:`.doctor.Report` of the pool these arguments start."""
+def hvdrun_options(np: Optional[int], slurm: Optional[Mapping[str, Any]] = None,
+                   profile: Optional[str] = None,
+                   network_interface: Optional[str] = None) -> List[str]:
+    """``hvdrun`` options for a pool on Slurm (``slurm``: partition, time, nodes,
+    gpus_per_node as ``%%hvd --slurm`` took them) or from a cluster profile."""
+    out = [] if np is None else ["-np", str(np)]
+    if profile is not None:
+        out += ["--profile", profile]
+    if slurm is not None:
+        out.append("--slurm")
+        for key, value in slurm.items():
+            if value is not None:
+                out += [f"--{key.replace('_', '-')}", str(value)]
+    if network_interface:
+        out += ["--network-interface", network_interface]
+    return out
+
+
+def probe_via_hvdrun(options: Sequence[str], env: Optional[Mapping[str, str]] = None,
+                     timeout: float = TIMEOUT_S) -> Dict[str, Any]:
+    """The probe started by ``hvdrun OPTIONS`` (a Slurm allocation, a profile's hosts and
+    set-up lines: what ``hvdrun`` does for them, the pool does too)."""
+    import subprocess
+    argv = [sys.executable, "-m", "hvd_magic.runner.cli", *options, sys.executable, "-m",
+            "hvd_magic.runner.doctor_probe"]
     try:
-        record = probe(np, hosts, hostfile, network_interface, env)
+        proc = subprocess.run(argv, env=None if env is None else dict(env), capture_output=True,
+                              text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as exc:
+        tail = exc.stdout if isinstance(exc.stdout, str) else (exc.stdout or b"").decode()
+        raise RuntimeError(f"hvd doctor: `hvdrun {' '.join(options)}` did not finish within "
+                           f"{timeout:g} s. Last output:\n{tail[-2000:]}") from None
+    found = [ln[len(PREFIX):] for ln in proc.stdout.splitlines() if ln.startswith(PREFIX)]
+    if proc.returncode != 0 or not found:
+        raise RuntimeError(f"hvd doctor: the probe failed (exit {proc.returncode}) under "
+                           f"`hvdrun {' '.join(options)}`. Its output:\n"
+                           + (proc.stdout + proc.stderr)[-3000:])
+    return json.loads(found[-1])
+
+
+def run_doctor(np: Optional[int], hosts: Optional[Sequence[Host]] = None,
+               hostfile: Optional[str] = None, *, model_bytes: Optional[float] = None,
+               step_time: Optional[float] = None, network_interface: Optional[str] = None,
+               env: Optional[Mapping[str, str]] = None,
+               slurm: Optional[Mapping[str, Any]] = None,
+               profile: Optional[str] = None) -> Report:
+    """Probe, then analyse: the :class:`.doctor.Report` of the pool these arguments start.
+    ``np`` None: the profile's (with ``profile``), else 2."""
+    try:
+        if slurm is not None or profile is not None:
+            record = probe_via_hvdrun(hvdrun_options(np, slurm, profile, network_interface),
+                                      env)
+        else:
+            record = probe(np or 2, hosts, hostfile, network_interface, env)
     except RuntimeError as exc:
-        return failed_report(np, str(exc), str(exc))
+        return failed_report(np or 0, str(exc), str(exc))
     return analyse(record, model_bytes, step_time)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m hvd_magic.runner.doctor_run",
                                 description="pre-flight check of a pool (see docs/doctor.md)")
-    p.add_argument("-np", "--np", type=int, default=2)
+    p.add_argument("-np", "--np", type=int, default=None)
     where = p.add_mutually_exclusive_group()
     where.add_argument("-H", "--hosts", default=None)
     where.add_argument("--hostfile", default=None)
+    where.add_argument("--slurm", action="store_true", default=False)
+    where.add_argument("--profile", default=None)
+    for flag in ("--partition", "--time", "--nodes", "--gpus-per-node"):
+        p.add_argument(flag, default=None, help="with --slurm, as hvdrun takes it")
     p.add_argument("--network-interface", default=None)
     p.add_argument("--model-bytes", type=float, default=None)
     p.add_argument("--step-time", type=float, default=None)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     ns = p.parse_args(argv)
+    slurm = {k: getattr(ns, k) for k in ("partition", "time", "nodes", "gpus_per_node")} \
+        if ns.slurm else None
     rep = run_doctor(ns.np, parse_hosts(ns.hosts) if ns.hosts else None, ns.hostfile,
                      model_bytes=ns.model_bytes, step_time=ns.step_time,
-                     network_interface=ns.network_interface)
+                     network_interface=ns.network_interface, slurm=slurm,
+                     profile=ns.profile)
     if ns.json:
         from dataclasses import asdict
         print(json.dumps(asdict(rep)))
