@@ -75,6 +75,13 @@ _VARS = [
     Var("HVD_MAGIC_ELASTIC_MIN_NP", "int", 1,
         "hvd.elastic.run stops with an error when fewer ranks than this survive (hvdrun "
         "--min-np sets it)"),
+    Var("HVD_MAGIC_ELASTIC_MAX_NP", "int", None,
+        "hvd.elastic.run grows the job to at most this many ranks when the host discovery "
+        "script lists more slots (hvdrun --max-np sets it); unset: as many as the slots"),
+    Var("HVD_MAGIC_HOST_DISCOVERY_SCRIPT", "str", "",
+        "executable printing one 'host' or 'host:slots' line per available host; rank 0 runs "
+        "it at commits (at most once a second) and the job grows or shrinks to the slots "
+        "(hvdrun --host-discovery-script sets it)"),
     Var("HVD_MAGIC_INLINE", "bool", True,
         "0: a waiting caller never runs the negotiation cycle itself; the background thread "
         "does all communication"),

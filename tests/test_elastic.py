@@ -168,3 +168,59 @@ def test_a_paused_rank_in_an_elastic_pool_still_ends_the_cell_naming_it():
         assert not pool.alive()
     finally:
         manager.stop()
+
+
+def test_the_job_grows_and_shrinks_at_commits_as_the_discovery_script_says(tmp_path):
+    # 2 ranks -> 3 (a spawned rank gets the committed state before its first step) -> 2
+    slots = tmp_path / "slots"
+    slots.write_text("localhost:2\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {slots}\n")
+    script.chmod(0o755)
+    cmd = [HVDRUN, "-np", "2", "--min-np", "1", "--max-np", "3", "--host-discovery-script",
+           str(script), sys.executable, str(HERE / "mpi" / "elastic_grow.py"), str(slots)]
+    try:
+        proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"hung: {exc.stdout}\n{exc.stderr}") from None
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert proc.stdout.count("elastic OK") == 2 and "JOINED as rank 2" in out, out
+    assert "hosts updated, 1 rank(s) joined; continuing on 3 rank(s) from commit 3" in out
+    assert "rank 2 leaves the job (hosts updated: 2 rank(s) now)" in out
+    assert "hosts updated, 1 rank(s) left; continuing on 2 rank(s) from commit 8" in out
+
+
+def test_a_discovery_script_that_is_not_executable_is_refused_before_the_start(tmp_path):
+    script = tmp_path / "discover.sh"
+    script.write_text("echo localhost:3\n")
+    proc = subprocess.run([HVDRUN, "-np", "2", "--min-np", "1", "--host-discovery-script",
+                           str(script), sys.executable, "-c", "pass"],
+                          env=mpi_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "not an executable file (chmod +x it" in proc.stderr
+
+
+def test_discovery_output_and_the_size_it_asks_for():
+    from hvd_magic.collectives.elastic import parse_discovery, target_size
+    assert parse_discovery("a:2\nb\n\n# comment\na:1\n") == {"a": 3, "b": 1}
+    with pytest.raises(ValueError, match="line 2: 'b:x' is not 'host' or 'host:slots'"):
+        parse_discovery("a:2\nb:x\n")
+    assert target_size(2, slots=3, min_np=1, max_np=None) == 3
+    assert target_size(2, slots=8, min_np=1, max_np=4) == 4
+    assert target_size(3, slots=1, min_np=2, max_np=4) == 3      # too few slots: stay
+
+
+def test_hvdrun_plans_tcp_on_loopback_for_ranks_that_join_later(tmp_path):
+    from hvd_magic.runner.plan import LaunchArgs, plan_launch
+    script = tmp_path / "d.sh"
+    script.write_text("#!/bin/sh\necho localhost:3\n")
+    script.chmod(0o755)
+    args = LaunchArgs(np=2, command=["python", "t.py"], min_np=1, max_np=3,
+                      host_discovery_script=str(script))
+    argv, env = plan_launch(args, {"OMPI_MCA_btl": "self,sm"}, "openmpi")
+    assert argv[:5] == ["mpiexec", "-n", "2", "--with-ft", "ulfm"]
+    assert env["OMPI_MCA_btl"] == "self,sm,tcp" and env["OMPI_MCA_btl_tcp_if_include"] == "lo"
+    assert env["HVD_MAGIC_ELASTIC_MAX_NP"] == "3"
+    with pytest.raises(ValueError, match="give --min-np too"):
+        plan_launch(LaunchArgs(np=2, command=["x"], max_np=3), {}, "openmpi")

@@ -30,14 +30,17 @@ _counter_lock = threading.Lock()
 
 
 def request_name(kind: str, name: Optional[str], eng: Any = None) -> str:
-    """``name``, checked, or the next ``kind.noname.N``. A process set's engine ``eng``
-    numbers its own unnamed calls, so its ranks number them alike whatever other sets
-    they are in."""
+    """``name``, checked, or the next ``kind.noname.N``. Each engine (``eng``, default the
+    global one) numbers its own unnamed calls from 0: a process set's ranks number them alike
+    whatever other sets they are in, and after an elastic reset a joined rank numbers them
+    as the others do."""
     if name is not None:
         if not isinstance(name, str) or not name:
             raise TypeError(f"name must be a non-empty string, got {name!r}")
         return name
-    counters = _counters if eng is None or not eng.set_id else eng.noname
+    if eng is None:
+        eng = _st.engine
+    counters = _counters if eng is None else eng.noname
     c = counters.get(kind)
     if c is None:
         with _counter_lock:

@@ -16,29 +16,45 @@ How a loss is survived (scripts under ``hvdrun --min-np N`` or ``mpiexec --with-
 Errors that are not a lost rank (a shape mismatch, a stall) are raised as before: running
 ``func`` again would only repeat them. Fewer survivors than ``HVD_MAGIC_ELASTIC_MIN_NP`` is
 an error that says so.
+
+How the job grows or shrinks on purpose (``hvdrun --max-np M --host-discovery-script S``):
+at a commit, rank 0 runs the discovery script (at most once a second, as Horovod's driver
+polls it) and every rank learns the size the job should have: the slots the script lists,
+between ``--min-np`` and ``--max-np``. When it differs from the size now, every rank raises
+:class:`HostsUpdatedInterrupt` from that commit and :func:`resize` runs: to grow, the ranks
+start the missing ones with ``MPI_Comm_spawn`` (the same command line as theirs) and merge
+with them into one communicator; to shrink, the highest ranks leave. The new ranks' first
+``state.sync()`` gives them the committed state from rank 0 before their first step.
 """
 from __future__ import annotations
 
 import copy
 import functools
+import os
+import subprocess
 import sys
-from typing import Any, Callable, List, Optional
+import time
+from typing import Any, Callable, Dict, List, Optional
 
 from .. import config as env
 from .errors import HvdError, RankLostError
-from .state import _state, start
+from .state import _state, shutdown, start
+
+#: Seconds between two runs of the host discovery script (Horovod's driver polls it as often).
+DISCOVERY_INTERVAL_S = 1.0
 
 class HostsUpdatedInterrupt(RuntimeError):
-    """Hosts were added or removed; ``skip_sync``: the state needs no new broadcast."""
+    """Hosts were added or removed; ``skip_sync``: the state needs no new broadcast.
+    ``size``: the number of ranks the job changes to (None when raised by user code)."""
 
     def __init__(self, skip_sync: bool = False):
         super().__init__("hosts were updated")
         self.skip_sync = skip_sync
+        self.size: Optional[int] = None
 
 
 def fault_tolerant() -> bool:
     """Whether this MPI job can survive a lost rank (Open MPI 5 started with ULFM on)."""
-    import os
     from mpi4py import MPI
     return (os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() in ("1", "true")
             and hasattr(MPI.Comm, "Shrink"))
@@ -65,8 +81,103 @@ def shrink() -> tuple:
     if n < min_np:
         raise HvdError(f"rank(s) {', '.join(map(str, lost))} were lost and {n} rank(s) are left, "
                        f"fewer than the minimum of {min_np} (hvdrun --min-np); stopping")
-    start(survivors)
+    _restart(survivors)
     return lost, n
+
+
+def _restart(comm: Any) -> None:
+    from .process_sets import global_process_set
+    start(comm)
+    global_process_set.ranks = list(range(_state.size))
+
+
+def spawned() -> bool:
+    """Whether :func:`resize` started this rank to join a running job. Such a rank skips the
+    checks the others made once at start (they will not make them again for it)."""
+    from mpi4py import MPI
+    return MPI.Comm.Get_parent() != MPI.COMM_NULL
+
+
+def parse_discovery(text: str) -> Dict[str, int]:
+    """A host discovery script's output, one ``host`` or ``host:slots`` per line, as
+    ``{host: slots}`` (a host without slots has 1). ``"a:2\\nb\\n"`` -> ``{"a": 2, "b": 1}``."""
+    hosts: Dict[str, int] = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, _, slots = line.partition(":")
+        try:
+            count = int(slots) if slots else 1
+        except ValueError:
+            count = -1
+        if not name or count < 0:
+            raise ValueError(f"host discovery script, line {n}: {line!r} is not 'host' or "
+                             "'host:slots' (slots a whole number >= 0)")
+        hosts[name] = hosts.get(name, 0) + count
+    return hosts
+
+
+def target_size(size: int, slots: int, min_np: int, max_np: Optional[int]) -> int:
+    """The size the job should have with ``slots`` slots discovered: as many ranks as slots,
+    at most ``max_np``; never fewer than ``min_np`` (too few slots: stay as is)."""
+    want = min(slots, max_np) if max_np else slots
+    return size if want < min_np else want
+
+
+def _discover(script: str) -> Optional[int]:
+    """Rank 0: the size the discovery script asks for now (None: not time to ask yet)."""
+    now = time.monotonic()
+    if now - _discovered[0] < DISCOVERY_INTERVAL_S:
+        return None
+    _discovered[0] = now
+    try:
+        out = subprocess.run([script], capture_output=True, text=True, timeout=10, check=True).stdout
+        slots = sum(parse_discovery(out).values())
+    except (OSError, subprocess.SubprocessError, ValueError) as exc:
+        sys.stderr.write(f"[hvd_magic] elastic: host discovery script {script} failed ({exc}); "
+                         "keeping the current size\n")
+        return None
+    return target_size(_state.size, slots, env.get("HVD_MAGIC_ELASTIC_MIN_NP"),
+                       env.get("HVD_MAGIC_ELASTIC_MAX_NP"))
+
+
+_discovered = [float("-inf")]
+
+
+def host_update() -> Optional[int]:
+    """Every rank, at a commit: the size the job should change to, or None (no change, or
+    no ``HVD_MAGIC_HOST_DISCOVERY_SCRIPT``)."""
+    script = env.get("HVD_MAGIC_HOST_DISCOVERY_SCRIPT")
+    if not script or _state.engine is None:
+        return None
+    want = _discover(script) if _state.rank == 0 else None
+    want = _state.control.bcast(want, root=0)
+    return None if want in (None, _state.size) else want
+
+
+def resize(want: int) -> tuple:
+    """Every rank, at the same commit: grow the job to ``want`` ranks (spawning the new ones)
+    or shrink it (ranks ``want`` and up leave the job: they exit, out of ``func`` and the
+    script). Returns (joined, left)."""
+    from mpi4py import MPI
+    base, size, rank = _state.comm, _state.size, _state.rank
+    shutdown()
+    if want > size:
+        argv = list(getattr(sys, "orig_argv", [sys.executable] + sys.argv))
+        inter = base.Spawn(sys.executable, args=argv[1:], maxprocs=want - size)
+        merged = inter.Merge(high=False)
+        _state.links.append(inter)   # kept: freeing it left the spawned rank hanging in MPI_Finalize
+        _restart(merged)
+        return want - size, 0
+    keep = base.Split(0 if rank < want else MPI.UNDEFINED, rank)
+    if keep == MPI.COMM_NULL:
+        sys.stderr.write(f"[hvd_magic] elastic: rank {rank} leaves the job (hosts updated: "
+                         f"{want} rank(s) now)\n")
+        # out of func and the script; MPI_Finalize at exit waits for the others to finish
+        raise SystemExit(0)
+    _restart(keep)
+    return 0, size - want
 
 
 class State:
@@ -95,7 +206,13 @@ class State:
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
-        """Hosts come and go with the MPI job here: nothing to check between commits."""
+        """Raise :class:`HostsUpdatedInterrupt` on every rank when the host discovery script
+        asks for another size (every rank calls it at the same commit)."""
+        want = host_update()
+        if want is not None:
+            exc = HostsUpdatedInterrupt(skip_sync=False)
+            exc.size = want
+            raise exc
 
     def save(self) -> None:
         raise NotImplementedError
@@ -157,6 +274,14 @@ def run_fn(func: Callable, reset: Callable[[], tuple]) -> Callable:
                 if not skip_sync:
                     state.sync()
                 return func(state, *args, **kwargs)
+            except HostsUpdatedInterrupt as exc:
+                skip_sync = exc.skip_sync
+                want = getattr(exc, "size", None)   # None: raised by user code, no resize
+                joined, left = resize(want) if want is not None else (0, 0)
+                if want is not None and _state.rank == 0:
+                    what = f"{joined} rank(s) joined" if joined else f"{left} rank(s) left"
+                    sys.stderr.write(f"[hvd_magic] elastic: hosts updated, {what}; continuing on "
+                                     f"{_state.size} rank(s) from commit {state.commits}\n")
             except Exception as exc:  # noqa: BLE001 - a framework may wrap RankLostError
                 if not _lost(exc):
                     raise
@@ -166,7 +291,5 @@ def run_fn(func: Callable, reset: Callable[[], tuple]) -> Callable:
                 if _state.rank == 0:
                     sys.stderr.write(f"[hvd_magic] elastic: lost rank(s) {', '.join(map(str, lost))}"
                                      f"; continuing on {n} rank(s) from commit {state.commits}\n")
-            except HostsUpdatedInterrupt as exc:
-                skip_sync = exc.skip_sync
             state.on_reset()
     return wrapper

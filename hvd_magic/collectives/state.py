@@ -30,6 +30,8 @@ class _State:
     sets: dict = field(default_factory=dict)    # process set id -> its ranks and engine
     next_set_id: int = 1
     dynamic: bool = False     # process sets may be added and removed after init
+    world: Any = None         # COMM_WORLD, or what a spawned elastic rank shares with the others
+    links: list = field(default_factory=list)   # intercomms of elastic spawns (kept, never freed)
 
     def make_engine(self, comm: Any, ranks: list, set_id: int) -> Any:
         """An engine for a process set on ``comm`` (its members only)."""
@@ -58,7 +60,10 @@ def start(comm: Optional[Any] = None) -> bool:
         if _state.engine is not None and _state.engine.dead is None:
             return False
         MPI = _mpi()
-        world = MPI.COMM_WORLD
+        if _state.world is None:   # a rank that elastic.resize spawned joins its spawners
+            parent = MPI.Comm.Get_parent()
+            _state.world = MPI.COMM_WORLD if parent == MPI.COMM_NULL else parent.Merge(high=True)
+        world = _state.world
         if comm is None:
             base = world
         elif isinstance(comm, MPI.Comm):

@@ -13,7 +13,7 @@ from .plan import Host, LaunchArgs, parse_hosts
 
 _LAUNCH_OPTIONS = ("hostfile", "timeline_filename", "fusion_threshold_mb", "cycle_time_ms",
                    "stall_check_seconds", "cache_capacity", "output_filename", "network_interface",
-                   "verbose")
+                   "verbose", "min_np", "max_np", "host_discovery_script")
 
 
 class RankError(RuntimeError):
@@ -57,7 +57,10 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[Dict[
     for the ranks. ``stream`` prints the ranks' output here as it comes. Other keywords are
     hvdrun's options: ``hostfile``, ``timeline_filename``, ``fusion_threshold_mb``,
     ``cycle_time_ms``, ``stall_check_seconds``, ``cache_capacity``, ``output_filename``,
-    ``network_interface``, ``verbose``. An exception on a rank is raised here as :class:`RankError`. Multi-host runs
+    ``network_interface``, ``verbose``, and for elastic training (``fn`` uses
+    ``hvd.elastic.run``) ``min_np``, ``max_np`` and ``host_discovery_script``: the results
+    are then those of the ranks the job ended with. An exception on a rank is raised here as
+    :class:`RankError`. Multi-host runs
     pass ``fn`` and the results through a temporary directory that every host must see:
     set ``TMPDIR`` to a shared directory (e.g. on NFS).
     """
@@ -88,20 +91,23 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[Dict[
                 (sys.stdout if name == "stdout" else sys.stderr).write(line)
 
         rc = launch(largs, timeout=timeout, on_line=on_line)
-        return _collect(workdir, np, rc, "".join(tail))
+        return _collect(workdir, np, rc, "".join(tail), elastic=largs.min_np is not None)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _collect(workdir: str, np: int, rc: int, tail: str) -> List[Any]:
+def _collect(workdir: str, np: int, rc: int, tail: str, elastic: bool = False) -> List[Any]:
+    """The ranks' results; an elastic job's come from the ranks it ended with (a lost rank
+    leaves no result and a non-zero exit code behind)."""
     import cloudpickle
 
     records: Dict[int, Any] = {}
-    for r in range(np):
-        path = os.path.join(workdir, f"rank{r}.pkl")
-        if os.path.exists(path):
-            with open(path, "rb") as fh:
-                records[r] = cloudpickle.load(fh)
+    for name in os.listdir(workdir):
+        if name.startswith("rank") and name.endswith(".pkl"):
+            with open(os.path.join(workdir, name), "rb") as fh:
+                records[int(name[4:-4])] = cloudpickle.load(fh)
+    if elastic and records:
+        np, rc = max(records) + 1, 0
     failed = sorted(r for r, rec in records.items() if rec[0] == "error")
     if failed:
         r = failed[0]

@@ -99,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-np", type=_positive_int, metavar="N",
                    help="elastic training (hvd.elastic.run): go on while at least N ranks are "
                         "left (starts MPI with fault tolerance, ULFM)")
+    p.add_argument("--max-np", type=_positive_int, metavar="N",
+                   help="elastic training: grow to at most N ranks when the host discovery "
+                        "script lists more slots")
+    p.add_argument("--host-discovery-script", metavar="S",
+                   help="elastic training: an executable printing 'host:slots' lines; the job "
+                        "grows or shrinks to the slots at the next commit")
     p.add_argument("--autotune", action="store_true",
                    help="tune the fusion threshold and cycle time while training (HOROVOD_AUTOTUNE)")
     p.add_argument("--autotune-log-file", metavar="F",
@@ -153,6 +159,7 @@ def to_launch_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> L
                           cycle_time_ms=ns.cycle_time_ms,
                           stall_check_seconds=ns.stall_check_seconds,
                           cache_capacity=ns.cache_capacity, min_np=ns.min_np,
+                          max_np=ns.max_np, host_discovery_script=ns.host_discovery_script,
                           output_filename=ns.output_filename,
                           network_interface=ns.network_interface, verbose=ns.verbose,
                           oversubscribe=ns.oversubscribe, extra_env=autotune_env(vars(ns)))

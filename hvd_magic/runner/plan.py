@@ -62,6 +62,8 @@ class LaunchArgs:
     cache_capacity: Optional[int] = None
     output_filename: Optional[str] = None
     min_np: Optional[int] = None            # elastic: survive lost ranks down to this many
+    max_np: Optional[int] = None            # elastic: grow to at most this many
+    host_discovery_script: Optional[str] = None   # elastic: prints the hosts and slots there are
     network_interface: Optional[str] = None
     verbose: bool = False
     extra_env: Dict[str, str] = field(default_factory=dict)
@@ -162,6 +164,10 @@ def horovod_env(args: LaunchArgs) -> Dict[str, str]:
         env["HOROVOD_CACHE_CAPACITY"] = str(args.cache_capacity)
     if args.min_np is not None:
         env["HVD_MAGIC_ELASTIC_MIN_NP"] = str(args.min_np)
+    if args.max_np is not None:
+        env["HVD_MAGIC_ELASTIC_MAX_NP"] = str(args.max_np)
+    if args.host_discovery_script:
+        env["HVD_MAGIC_HOST_DISCOVERY_SCRIPT"] = os.path.abspath(args.host_discovery_script)
     names = interface_names(args.network_interface or "")
     if names:
         env["NCCL_SOCKET_IFNAME"] = ",".join(names)
@@ -218,6 +224,15 @@ def validate(args: LaunchArgs) -> None:
             raise ValueError(f"--{name.replace('_', '-')} {value!r}: must be a number >= 0")
     if args.min_np is not None and not 1 <= args.min_np <= args.np:
         raise ValueError(f"--min-np {args.min_np}: must be between 1 and -np ({args.np})")
+    if args.max_np is not None and args.max_np < args.np:
+        raise ValueError(f"--max-np {args.max_np}: must be at least -np ({args.np})")
+    if (args.max_np is not None or args.host_discovery_script) and args.min_np is None:
+        raise ValueError("--max-np and --host-discovery-script are for elastic training: give "
+                         "--min-np too (e.g. hvdrun -np 2 --min-np 1 --max-np 4 ...)")
+    script = args.host_discovery_script
+    if script and not (os.path.isfile(script) and os.access(script, os.X_OK)):
+        raise ValueError(f"--host-discovery-script {script}: not an executable file (chmod +x "
+                         "it; it prints one 'host:slots' line per host)")
     cap = args.cache_capacity
     if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
         raise ValueError(f"--cache-capacity {cap!r}: must be a whole number >= 0 (0 turns the "
@@ -266,6 +281,13 @@ def plan_launch(args: LaunchArgs, env: Mapping[str, str], mpi_impl: str, *,
         if single:
             out.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
             out.setdefault("OMPI_MCA_btl", "self,sm")
+            if args.host_discovery_script and not out["OMPI_MCA_btl"].startswith("^") \
+                    and "tcp" not in out["OMPI_MCA_btl"].split(","):
+                # ranks that elastic training spawns later reach the others over TCP on
+                # loopback: shared memory connects only ranks started together (measured:
+                # "unreachable proc"), and a private namespace has no other interface
+                out["OMPI_MCA_btl"] += ",tcp"
+                out.setdefault("OMPI_MCA_btl_tcp_if_include", "lo")
         elif args.oversubscribe:
             # "slot:": fill each host's slots in order, then go round again; a bare
             # ":oversubscribe" puts every rank on the first host, even -np 2 on -H a:1,b:1

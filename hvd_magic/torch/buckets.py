@@ -210,7 +210,11 @@ def make_buckets(params: list, names: dict, groups: Any, caps: tuple) -> list:
 def check_same_layout(buckets: list, process_set: Any) -> None:
     """Every rank must cut its gradients into the same buckets (same names, shapes, dtypes);
     otherwise the ranks would submit differently named requests and stall. One small
-    allgather at construction turns that into a clear error on every rank."""
+    allgather at construction turns that into a clear error on every rank. A rank that joined
+    a running elastic job skips it: the others built their optimizers long before."""
+    from hvd_magic.collectives.elastic import spawned
+    if spawned():
+        return
     layout = [(b.name, [(tuple(p.shape), str(p.dtype)) for p in b.params]) for b in buckets]
     digest = hashlib.sha1(repr(layout).encode()).hexdigest()
     everyone = C.allgather_object((digest, layout), name="DistributedOptimizer.layout",
