@@ -232,6 +232,31 @@ def test_doctor_with_a_cluster_profile(shaped_hosts, tmp_path):
     assert rep["links"][0]["bandwidth"] == pytest.approx(1e9 / 8, rel=0.2), why
 
 
+@pytest.mark.slow
+@pytest.mark.multihost
+def test_doctor_on_a_slurm_allocation():
+    """--slurm: the probe runs in an allocation hvdrun gets (a real two-node Slurm in
+    namespaces, tests/slurm_cluster.py), one rank per node, and the job is released."""
+    import slurm_cluster
+    why = slurm_cluster.unusable_reason()
+    if why:
+        pytest.skip(why)
+    slurm_cluster.clean_stale()
+    c = slurm_cluster.SlurmCluster().create()
+    try:
+        proc = c.run([PY, "-m", "hvd_magic.runner.doctor_run", "--json", "-np", "2",
+                      "--slurm", "--nodes", "2", "--time", "5"], timeout=60, check=False,
+                     env=c.env(PRTE_MCA_hwloc_default_binding_policy="none"))
+        why = f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+        assert proc.returncode == 0, why
+        rep = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert sorted(rep["hosts"]) == sorted(c.nodes), why
+        assert len(rep["links"]) == 1 and rep["links"][0]["bandwidth"] > 0, why
+        assert c.wait_no_jobs(5) == []
+    finally:
+        c.destroy()
+
+
 def test_hvdrun_options_for_slurm_and_profiles():
     from hvd_magic.runner.doctor_run import hvdrun_options
     assert hvdrun_options(None, profile="lab") == ["--profile", "lab"]
