@@ -1,6 +1,7 @@
-"""hvd_magic.tensorflow and hvd_magic.keras (TensorFlow >= 2.16, Keras 3). Multi-rank checks
-run under real mpiexec at 2 and 3 ranks (tests/mpi/tf_checks.py groups them, one launch per
-rank count, because importing TensorFlow costs seconds per launch)."""
+"""hvd_magic.tensorflow and hvd_magic.keras (TensorFlow >= 2.16; Keras 3, and Keras 2 as tf_keras
+under TF_USE_LEGACY_KERAS=1). Multi-rank checks run under real mpiexec at 2 and 3 ranks
+(tests/mpi/tf_checks.py groups them, one launch per rank count, because importing TensorFlow
+costs seconds per launch)."""
 import inspect
 import subprocess
 import sys
