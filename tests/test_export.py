@@ -84,7 +84,8 @@ def _quickstart_cells():
         if c["cell_type"] == "code" and src.startswith("%%hvd") and \
                 not src.startswith("%%hvd scale"):
             line, _, body = src.partition("\n")
-            yield line[len("%%hvd"):].strip(), body
+            # 2 epochs, not 6: the same code path in a third of the suite's time
+            yield line[len("%%hvd"):].strip(), body.replace("EPOCHS = 6", "EPOCHS = 2")
 
 
 @pytest.mark.slow
@@ -109,7 +110,7 @@ def test_quickstart_round_trip(tmp_path, capsys):
     assert "hvdrun -np 2 python" in said, said
     expected = collections.Counter(m.group(2) for m in map(RANK_LINE.match,
                                                           cells_out.splitlines()) if m)
-    assert any(k.startswith("epoch 5: loss") for k in expected), cells_out
+    assert any(k.startswith("epoch 1: loss") for k in expected), cells_out
     proc = subprocess.run([sys.executable, "-m", "hvd_magic.runner.cli", "-np", "2",
                            "python", str(script)], capture_output=True, text=True,
                           timeout=180, cwd=tmp_path)
