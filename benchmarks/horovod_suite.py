@@ -4,6 +4,11 @@
         --file test/parallel/test_torch.py --np 2 --json /tmp/horovod_suite_torch.json
     .venv/bin/python benchmarks/horovod_suite.py --horovod-src /tmp/hvdsrc \\
         --file test/parallel/test_mxnet1.py --np 2 --python .venv-mxnet/bin/python
+    TF_USE_LEGACY_KERAS=1 .venv/bin/python benchmarks/horovod_suite.py --horovod-src /tmp/hvdsrc \\
+        --file test/parallel/test_tensorflow2_keras.py --np 2
+
+(the environment reaches the ranks: with ``TF_USE_LEGACY_KERAS=1`` and tf-keras installed,
+``tf.keras`` is Keras 2, as test_tensorflow2_keras.py was written for; 13 of 13 pass at 2 ranks)
 
 The test files are not edited and no Horovod code is copied: they are read from a Horovod
 checkout (``--horovod-src``, default ``$HOROVOD_SRC``; ``git archive HEAD test/parallel
