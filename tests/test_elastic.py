@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mpi_harness import mpi_env
+from mpi_harness import mpi_env, run_job
 
 HERE = Path(__file__).parent
 HVDRUN = str(Path(sys.executable).with_name("hvdrun"))
@@ -18,10 +18,7 @@ HVDRUN = str(Path(sys.executable).with_name("hvdrun"))
 def hvdrun(np_, min_np, *args, timeout=120):
     cmd = [HVDRUN, "-np", str(np_), *(["--min-np", str(min_np)] if min_np else []),
            sys.executable, str(HERE / "mpi" / "elastic_torch.py"), *args]
-    try:
-        return subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"hung: {exc.stdout}\n{exc.stderr}") from None
+    return run_job(cmd, mpi_env(), timeout, "hvdrun")
 
 
 @pytest.mark.parametrize("np_", [2, 3], ids=["np2", "np3"])
@@ -68,7 +65,7 @@ def test_elastic_without_fault_tolerance_says_how_to_start_it():
 def test_keras_fit_with_the_elastic_callbacks_survives_a_killed_rank():
     cmd = [HVDRUN, "-np", "3", "--min-np", "2", sys.executable,
            str(HERE / "mpi" / "elastic_keras.py")]
-    proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240)
+    proc = run_job(cmd, mpi_env(), 240, "hvdrun (Keras)")
     out = proc.stdout + proc.stderr
     assert proc.stdout.count("elastic keras OK") == 2, out
     assert "elastic: lost rank(s) 2; continuing on 2 rank(s) from commit" in out
@@ -179,10 +176,7 @@ def test_the_job_grows_and_shrinks_at_commits_as_the_discovery_script_says(tmp_p
     script.chmod(0o755)
     cmd = [HVDRUN, "-np", "2", "--min-np", "1", "--max-np", "3", "--host-discovery-script",
            str(script), sys.executable, str(HERE / "mpi" / "elastic_grow.py"), str(slots)]
-    try:
-        proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=120)
-    except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"hung: {exc.stdout}\n{exc.stderr}") from None
+    proc = run_job(cmd, mpi_env(), 120, "hvdrun")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert proc.stdout.count("elastic OK") == 2 and "JOINED as rank 2" in out, out

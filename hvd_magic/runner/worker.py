@@ -59,8 +59,14 @@ def main(directory: str) -> int:
         hvd.init()
         result = fn(*args, **kwargs)
         record: Tuple[Any, ...] = ("ok", result)
+    except SystemExit as exc:     # an elastic job shrank and this rank left it: no result
+        if exc.code not in (None, 0):
+            raise
+        return 0
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
         record = ("error", type(exc).__name__, str(exc), traceback.format_exc(), exc)
+    if hvd.is_initialized():      # an elastic job's ranks are numbered anew after a change
+        rank = hvd.rank()
     _write(directory, rank, record)
     if record[0] != "ok":
         sys.stdout.flush()
