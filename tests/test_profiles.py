@@ -173,7 +173,7 @@ def test_hvdrun_lists_profiles_and_refuses_a_bad_one(tmp_path):
 def test_setup_lines_run_in_order_and_a_failing_line_stops_the_start(tmp_path):
     """On a host list the lines run through mpiexec, one process per host (here the one
     local host); a line that fails says which line and shows its output."""
-    from hvd_magic.kernel.setup_lines import run_setup
+    from hvd_magic.runner.setup_lines import run_setup
     seen = []
     run_setup([f"echo one > {tmp_path}/a", f"cat {tmp_path}/a > {tmp_path}/b"],
               hosts=[Host("localhost", 4)], status=seen.append)

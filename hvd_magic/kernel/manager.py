@@ -31,7 +31,7 @@ def make_config(np: int, hosts: Optional[List[Host]] = None, hostfile: Optional[
                 min_np: Optional[int] = None, slurm: Optional[Any] = None) -> PoolConfig:
     """Gather the facts of this machine (mpiexec, MPI flavour, namespaces, addresses) into a
     :class:`PoolConfig`; raises ValueError/TypeError/RuntimeError for what cannot work.
-    ``slurm``: an :class:`~.slurm_alloc.Allocation` whose nodes the ranks run on."""
+    ``slurm``: an :class:`~hvd_magic.runner.slurm_alloc.Allocation` whose nodes the ranks run on."""
     from ..runner import launch
     from ..runner.plan import parse_hostfile
     environ = dict(os.environ)
@@ -154,7 +154,7 @@ class PoolManager:
             old.stop()
             self.pool = self._running = None
         if setup:
-            from .setup_lines import run_setup
+            from ..runner.setup_lines import run_setup
             run_setup(setup, config.hosts, config.slurm_job, config.environ,
                       status=sink.status if sink is not None else None)
         pool = Pool(config).start(sink)

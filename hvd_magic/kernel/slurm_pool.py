@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, Mapping, Optional
 
 from .. import config
 from ..runner.slurm import SlurmRequest
-from .slurm_alloc import Allocation, IdleReaper
+from ..runner.slurm_alloc import Allocation, IdleReaper
 
 #: ``%%hvd --slurm`` options -> :class:`SlurmRequest` fields.
 OPTIONS = ("partition", "time", "nodes", "gpus_per_node")

@@ -236,7 +236,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if slurm_wanted(ns):
         return run_in_slurm(ns, args, setup, parser)
     if setup:
-        from ..kernel.setup_lines import run_setup
+        from .setup_lines import run_setup
         try:
             run_setup(setup, args.hosts, None, status=_say)
         except ValueError as exc:
@@ -298,7 +298,7 @@ def run_in_slurm(ns: argparse.Namespace, args: LaunchArgs, setup: List[str],
     """Run the job in a Slurm allocation: the one this process is in (used as is), or one
     made for it with salloc and released (scancel) when the job ends."""
     import os
-    from ..kernel.slurm_alloc import Allocation, SlurmError
+    from .slurm_alloc import Allocation, SlurmError
     from .slurm import SlurmRequest
     env = dict(os.environ)
     opts = {k: getattr(ns, k) for k in ("partition", "time", "nodes", "gpus_per_node")}
@@ -318,7 +318,7 @@ def run_in_slurm(ns: argparse.Namespace, args: LaunchArgs, setup: List[str],
         env.update(alloc.env())
         validate(args)
         if setup:
-            from ..kernel.setup_lines import run_setup
+            from .setup_lines import run_setup
             run_setup(setup, alloc.hosts, alloc.job_id, env, status=_say)
         argv_, run_env = prepare(args, env)
         return execute(argv_, run_env)

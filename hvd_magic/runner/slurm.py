@@ -1,7 +1,7 @@
 """Deciding, not doing: Slurm allocations for hvdrun and the ``%%hvd`` pool.
 
 Pure functions of their inputs (text that Slurm's commands printed, an environment), so
-every rule is unit-tested without Slurm; :mod:`hvd_magic.kernel.slurm_alloc` runs the
+every rule is unit-tested without Slurm; :mod:`hvd_magic.runner.slurm_alloc` runs the
 commands. The flow:
 
 * :func:`salloc_argv`: ``--slurm [--partition P] [--time T] [--nodes N] [--gpus-per-node G]``
@@ -300,6 +300,11 @@ def failure_text(job: Optional[JobInfo], nodes: Mapping[str, Mapping[str, str]],
 def scancel_argv(job_id: int, scancel: str = "scancel") -> List[str]:
     """Release an allocation."""
     return [scancel, str(job_id)]
+
+
+def squeue_job_argv(job_id: int, squeue: str = "squeue") -> List[str]:
+    """The job's state while Slurm still lists it (nothing once it has ended)."""
+    return [squeue, "-h", "-j", str(job_id), "-o", "%T"]
 
 
 def scontrol_job_argv(job_id: int, scontrol: str = "scontrol") -> List[str]:

@@ -11,7 +11,7 @@ import os
 import subprocess
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
-from ..runner.plan import Host, LaunchArgs
+from .plan import Host, LaunchArgs
 
 #: Seconds a setup line may take on the slowest host.
 LINE_TIMEOUT = 3600.0
@@ -25,7 +25,7 @@ def line_argv(line: str, hosts: Optional[Sequence[Host]], slurm_job: Optional[in
         return (["srun", f"--jobid={slurm_job}", f"--nodes={n}", f"--ntasks={n}",
                  "--ntasks-per-node=1", "--overlap", "--kill-on-bad-exit=1",
                  "--label", "sh", "-c", line], dict(environ))
-    from ..runner.launch import prepare
+    from .launch import prepare
     one_each = [Host(h.name, 1) for h in hosts] if hosts else None
     args = LaunchArgs(np=len(one_each) if one_each else 1, command=["sh", "-c", line],
                       hosts=one_each)

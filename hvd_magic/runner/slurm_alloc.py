@@ -4,7 +4,7 @@ The decisions (``salloc``'s arguments, reading Slurm's output, the variables Ope
 the words for a failure) are in :mod:`hvd_magic.runner.slurm`; this module runs the
 commands. An :class:`Allocation` is released by :meth:`Allocation.release` (``%hvd stop``,
 the idle timeout), at interpreter exit, and, if the kernel is killed outright, by a small
-watcher process (``python -m hvd_magic.kernel.slurm_alloc watch PID JOB``) that cancels the
+watcher process (``python -m hvd_magic.runner.slurm_alloc watch PID JOB``) that cancels the
 job once this process is gone.
 """
 from __future__ import annotations
@@ -18,9 +18,11 @@ import threading
 import time
 from typing import Callable, Dict, List, Mapping, Optional
 
-from ..runner import slurm as plan
-from ..runner.plan import Host
+from . import slurm as plan
+from .plan import Host
 
+#: Seconds a release waits for Slurm to stop listing the cancelled job.
+RELEASE_WAIT_S = 10.0
 #: Seconds to wait for scontrol/scancel/squeue (they answer in well under a second).
 CLIENT_TIMEOUT = 20.0
 
@@ -203,13 +205,19 @@ class Allocation:
             return False
         try:
             _run(plan.scancel_argv(self.job_id, _tool("scancel", self.environ)), self.environ)
+            # the job stays listed as COMPLETING while slurmd ends its steps (about a second):
+            # wait for that, so that what `squeue` shows after `%hvd stop` is the truth
+            deadline = time.monotonic() + RELEASE_WAIT_S
+            argv = plan.squeue_job_argv(self.job_id, _tool("squeue", self.environ))
+            while _run(argv, self.environ).stdout.strip() and time.monotonic() < deadline:
+                time.sleep(0.1)
         except SlurmError:
             return False
         return True
 
     def _start_watcher(self) -> None:
         self._watcher = subprocess.Popen(
-            [sys.executable, "-m", "hvd_magic.kernel.slurm_alloc", "watch", str(os.getpid()),
+            [sys.executable, "-m", "hvd_magic.runner.slurm_alloc", "watch", str(os.getpid()),
              str(self.job_id)], env=self.environ, stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
@@ -264,4 +272,4 @@ def _watch(pid: int, job_id: int) -> int:
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "watch":
         sys.exit(_watch(int(sys.argv[2]), int(sys.argv[3])))
-    sys.exit("usage: python -m hvd_magic.kernel.slurm_alloc watch PID JOB_ID")
+    sys.exit("usage: python -m hvd_magic.runner.slurm_alloc watch PID JOB_ID")
