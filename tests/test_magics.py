@@ -52,9 +52,9 @@ def test_line_args():
 
 @pytest.fixture(scope="module")
 def ip():
-    from IPython.testing.globalipapp import start_ipython
-    shell = start_ipython()
-    shell.run_line_magic("load_ext", "hvd_magic")
+    from IPython.testing.globalipapp import get_ipython, start_ipython
+    shell = start_ipython() or get_ipython()   # None: another module started it already
+    shell.run_line_magic("reload_ext", "hvd_magic")
     yield shell
     shell.run_line_magic("unload_ext", "hvd_magic")
     assert not wait_no_pool_processes(3.0)
