@@ -84,7 +84,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     from . import engine_side
     engine_side.startup()
     args = list(sys.argv[1:] if argv is None else argv)
-    sys.argv = [sys.argv[0]] + ENGINE_ARGS + args
+    # an engine that %hvd resize spawned asks for no id (``--mpi`` would ask for its rank in
+    # the spawned group, an id another engine has or had): the controller's next id is new
+    joined = engine_side.joined()
+    sys.argv = [sys.argv[0]] + [a for a in ENGINE_ARGS if not (joined and a == "--mpi")] + args
     from ipyparallel.engine.app import main as engine_main
     engine_main()
 

@@ -9,7 +9,7 @@ import os
 import socket
 import sys
 import traceback
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 #: Set when ``hvd.init()`` failed at start-up: the reason, shown by ``%hvd status``.
 init_error: Optional[str] = None
@@ -25,6 +25,57 @@ def startup() -> None:
     except BaseException as exc:  # noqa: BLE001 - reported by %hvd status, never fatal
         init_error = f"{type(exc).__name__}: {exc}"
         sys.stderr.write(f"hvd_magic: hvd.init() failed on this rank: {init_error}\n")
+
+
+def joined() -> bool:
+    """Whether ``%hvd resize`` started this engine to join a running pool."""
+    try:
+        from hvd_magic.collectives.elastic import spawned
+        return spawned()
+    except Exception:  # noqa: BLE001 - no MPI: not joined
+        return False
+
+
+def resize(n: int) -> str:
+    """Every rank of an elastic pool at once: grow the pool to ``n`` ranks (the new engines
+    are spawned and merged in) or shrink it (ranks ``n`` and up leave: this engine exits
+    right after answering). Returns ``"stays"`` or ``"leaves"``."""
+    import threading
+    from hvd_magic.collectives import elastic
+    try:
+        elastic.resize(n)
+    except SystemExit:
+        threading.Timer(0.3, os._exit, (0,)).start()
+        return "leaves"
+    return "stays"
+
+
+def catch_up(items: List[Tuple[str, Any]]) -> Optional[str]:
+    """On a rank that joined the pool: run the pool's earlier cells (``("cell", code)``) and
+    pushes (``("push", {name: value})``) in order, output hidden, ``hvd.elastic.run`` calls
+    skipped (see :func:`hvd_magic.collectives.elastic.catching_up`). None, or what failed."""
+    import contextlib
+    import io
+    from IPython import get_ipython
+    from hvd_magic.collectives import elastic
+    ip = get_ipython()
+    elastic.catching_up(True)
+    try:
+        for i, (kind, payload) in enumerate(items):
+            if kind == "push":
+                ip.user_ns.update(payload)
+                continue
+            with contextlib.redirect_stdout(io.StringIO()), \
+                    contextlib.redirect_stderr(io.StringIO()):
+                res = ip.run_cell(payload, silent=True)
+            err = res.error_before_exec or res.error_in_exec
+            if err is not None:
+                first = payload.strip().splitlines()[0] if payload.strip() else ""
+                return (f"the pool's cell {i + 1} of {len(items)} ({first[:60]!r}) raised "
+                        f"{type(err).__name__}: {err}")
+        return None
+    finally:
+        elastic.catching_up(False)
 
 
 def where() -> Tuple[str, int]:

@@ -121,6 +121,12 @@ class PoolManager:
         old = self.pool
         if old is not None and old.alive() and request == self._running:
             return old                          # fast path: nothing to look up or plan
+        if old is not None and old.alive() and old.elastic() and self._running is not None \
+                and request[1:] == self._running[1:]:
+            note = self.resize(np, sink)        # another -np on an elastic pool: resize it
+            if sink is not None:
+                sink.status(note)
+            return old
         self._slurm.touch(True)                 # no idle timeout while a pool starts
         try:
             return self._ensure(request, np, hosts, hostfile, sink, oversubscribe, min_np,
@@ -165,6 +171,18 @@ class PoolManager:
                 if note.startswith(NO_NAMESPACE):
                     sink.status(f"hvd: note: {note}")
         return pool
+
+    def resize(self, np: int, sink: Optional[OutputSink] = None) -> str:
+        """``%hvd resize N``: the elastic pool grows or shrinks to ``np`` ranks; a later cell
+        that asks for another ``-np`` resizes it again (see :mod:`.elastic`)."""
+        pool = self.pool
+        if pool is None or not pool.alive():
+            raise ValueError("no pool is running; start an elastic one with %%hvd -np N "
+                             "--min-np M")
+        note = pool.resize(np, sink)
+        if self._running is not None:
+            self._running = self.last = (np,) + self._running[1:]
+        return note
 
     def stop(self) -> bool:
         """Stop the pool; True if one was running."""

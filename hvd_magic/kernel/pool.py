@@ -25,6 +25,7 @@ from .cells import CellOutcome, Pump, clean_stale_dirs, engine_lost, ipyparallel
 from .output import OutputSink, PoolCellError, PoolCellInterrupted, PoolCellTimeout, PoolError, \
     RankDiedError, RankFailure, n_ranks, ranks_text
 from .plan import HEARTBEAT_MISSES, PoolConfig, PoolPlan, plan_pool
+from .elastic import survive
 from .settle import settle
 from .procs import descendants, describe_exit, end_job_first, parse_rank_exits, pids_gone, \
     spawn, stop_tree, tail
@@ -62,8 +63,10 @@ class Pool:
         self.pids: Dict[int, int] = {}          # rank -> engine pid
         self.hosts: Dict[int, str] = {}         # rank -> host name
         self._views: Dict[tuple, Any] = {}      # targets -> DirectView
-        self.engines: List[int] = list(range(config.np))   # rank -> engine id (elastic: shrinks)
+        self.engines: List[int] = list(range(config.np))   # rank -> engine id (elastic: changes)
+        self.top_engine = config.np - 1         # the highest engine id this pool has had
         self.telemetry: Optional[float] = None  # the ranks' telemetry interval (None: off)
+        self.history: List[tuple] = []          # ("cell", code) / ("push", values) on all ranks
 
     @property
     def size(self) -> int:
@@ -252,6 +255,8 @@ class Pool:
             notify(sink, "finalize")
             raise
         notify(sink, "finalize")
+        if self.elastic() and targets == list(range(self.size)):
+            self.history.append(("cell", code))    # what a rank that joins runs first
         return outcome
 
     def set_telemetry(self, interval: Optional[float]) -> None:
@@ -260,7 +265,7 @@ class Pool:
         if interval == self.telemetry:
             return
         from . import telemetry
-        view = self._view(list(range(self.size)))
+        view = self.view(list(range(self.size)))
         fn, args = (telemetry.disable, ()) if interval is None else (telemetry.enable, (interval,))
         self._ask(lambda: view.apply_async(fn, *args).get(SWITCH_TIMEOUT))
         self.telemetry = interval
@@ -278,7 +283,7 @@ class Pool:
 
     def _run(self, code: str, sink: OutputSink, targets: List[int],
              timeout: Optional[float]) -> CellOutcome:
-        ar = self._view(targets).execute(code, silent=False, block=False)
+        ar = self.view(targets).execute(code, silent=False, block=False)
         poke: "queue.SimpleQueue[int]" = queue.SimpleQueue()
         for fut in rank_futures(ar):
             fut.iopub_callbacks.append(lambda _msg: poke.put(1))
@@ -304,7 +309,7 @@ class Pool:
                 self.last_cell[r] = "idle"
         return self._outcome(ar, targets, sink)
 
-    def _view(self, targets: List[int]) -> Any:
+    def view(self, targets: List[int]) -> Any:
         """The DirectView on ``targets``, made once per pool (a view costs ~0.1 ms)."""
         key = tuple(targets)
         view = self._views.get(key)
@@ -331,7 +336,7 @@ class Pool:
                             # or unreachable rank still ends the cell, as below
             elif silent:
                 return      # a rank went silent (see plan.HEARTBEAT_MISSES): _outcome ends it
-            elif self._engine_lost(ar):
+            elif any(engine_lost(md.get("error")) for md in ar.metadata):
                 # one rank is gone: MPI ends the whole job; give mpiexec a moment to say
                 # which rank and how, then let _outcome stop the pool
                 try:
@@ -342,10 +347,6 @@ class Pool:
             if deadline is not None and time.monotonic() > deadline:
                 raise _Timeout()
         ar.wait_for_output(0.5)
-
-    @staticmethod
-    def _engine_lost(ar: Any) -> bool:
-        return any(engine_lost(md.get("error")) for md in ar.metadata)
 
     def interrupt(self, ranks: Optional[Sequence[int]] = None) -> None:
         """SIGINT to ``ranks`` (default all): KeyboardInterrupt in the running cell there (an
@@ -369,7 +370,7 @@ class Pool:
         flight). Stops the pool if that fails; returns a sentence saying which happened."""
         from .engine_side import reset
         try:
-            ar = self._view(list(range(self.size))).apply_async(reset, 5.0)
+            ar = self.view(list(range(self.size))).apply_async(reset, 5.0)
             replies = ar.get(timeout)
             bad = [r for r, rep in enumerate(replies) if rep != "ok"]
             if not bad:
@@ -403,7 +404,7 @@ class Pool:
                     out.results[r] = res.get("data", {})
                     sink.result(r, out.results[r])
                     out.counts[r] = res.get("execution_count", 0)
-        if died and self.elastic() and self._survive(failures, targets, sink):
+        if died and self.elastic() and survive(self, failures, sink):
             return out
         if died or not self.alive():
             raise self._death(failures, targets)
@@ -416,24 +417,22 @@ class Pool:
         return self.config.min_np is not None and self.mpiexec is not None \
             and self.mpiexec.poll() is None
 
-    def _survive(self, failures: List[RankFailure], targets: List[int], sink: OutputSink) -> bool:
-        """An elastic pool's cell where ranks died and every other rank finished: the pool
-        goes on without them (renumbered as ``hvd.elastic.run`` renumbered them)."""
-        lost = [f.rank for f in failures if f.kind == "died"]
-        left = [r for r in range(self.size) if r not in lost]
-        if len(failures) != len(lost) or len(left) < max(1, self.config.min_np or 1):
-            return False
-        exits = {e.rank: e.how for e in parse_rank_exits(
-            tail(os.path.join(self.config.workdir, "mpiexec.log"), 20000))}
-        how = "; ".join(f"rank {r} {exits.get(self.engines[r], 'died')}" for r in lost)
-        for r in lost:
-            notify(sink, "lost", r, exits.get(self.engines[r], "died"))
-        self.pids = {i: self.pids[r] for i, r in enumerate(left) if r in self.pids}
-        self.hosts = {i: self.hosts[r] for i, r in enumerate(left) if r in self.hosts}
-        self.engines, self._views = [self.engines[r] for r in left], {}
-        sink.status(f"hvd: {how}; the pool goes on with {n_ranks(len(left))}, renumbered "
-                    f"0..{len(left) - 1}")
-        return True
+    def set_members(self, ranks: List[int], joined: Sequence[int] = (),
+                    where: Optional[Dict[int, tuple]] = None) -> None:
+        """An elastic pool's ranks changed: the old ``ranks`` go on, renumbered 0.., then the
+        engines ``joined``; ``where``: new rank -> (host, pid)."""
+        self.pids = {i: self.pids[r] for i, r in enumerate(ranks) if r in self.pids}
+        self.hosts = {i: self.hosts[r] for i, r in enumerate(ranks) if r in self.hosts}
+        self.engines = [self.engines[r] for r in ranks] + list(joined)
+        self.top_engine = max([self.top_engine] + list(joined))
+        for r, (host, pid) in (where or {}).items():
+            self.hosts[r], self.pids[r] = host, pid
+        self._views, self.telemetry = {}, None    # new engines: no telemetry yet
+
+    def resize(self, n: int, sink: Optional[OutputSink] = None) -> str:
+        """``%hvd resize N``: grow or shrink an elastic pool (see :mod:`.elastic`)."""
+        from .elastic import resize
+        return resize(self, n, sink)
 
     def _death(self, failures: List[RankFailure], targets: List[int]) -> RankDiedError:
         """Name the ranks that ended and how (from mpiexec's log), stop the pool."""
@@ -461,18 +460,20 @@ class Pool:
     # ------------------------------------------------------------------ data, status
     def push(self, names: Dict[str, Any], ranks: Optional[Sequence[int]] = None) -> None:
         """Copy variables from here into the ranks' namespaces."""
-        view = self._view(self.targets(ranks))
+        view = self.view(self.targets(ranks))
         self._ask(lambda: view.push(names, block=True))
+        if self.elastic() and ranks is None:
+            self.history.append(("push", dict(names)))
 
     def pull(self, name: str, ranks: Optional[Sequence[int]] = None) -> List[Any]:
         """The value of ``name`` on each of ``ranks`` (a list in rank order)."""
-        view = self._view(self.targets(ranks))
+        view = self.view(self.targets(ranks))
         return list(self._ask(lambda: view.pull(name, block=True)))
 
     def result_values(self, ranks: Sequence[int]) -> List[Any]:
         """The values the last cell produced on ``ranks`` (``Out[n]`` there; None if none)."""
         from .engine_side import last_result
-        view = self._view(list(ranks))
+        view = self.view(list(ranks))
         return list(self._ask(lambda: view.apply_sync(last_result)))
 
     def status(self, timeout: float = 2.0) -> Dict[str, Any]:
@@ -480,7 +481,7 @@ class Pool:
         from .engine_side import info
         ranks: Dict[int, Dict[str, Any]] = {r: {"state": "unknown"} for r in range(self.size)}
         if self.alive():
-            ar = self._view(list(range(self.size))).apply_async(info)
+            ar = self.view(list(range(self.size))).apply_async(info)
             ar.wait(timeout)
             for i, r in enumerate(range(self.size)):
                 if rank_done(ar, i) and rank_futures(ar)[i].exception() is None:

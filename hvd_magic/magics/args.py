@@ -19,9 +19,9 @@ CELL_USAGE = ("%%hvd [-np N] [-H host1:4,host2:4 | --hostfile FILE | --slurm [--
 LINE_USAGE = ("%hvd status | stop | restart | push NAME... [--ranks 0,2] | "
               "pull NAME [--rank R] | start [-np N] [-H HOSTS | --hostfile F] | export PATH | "
               "doctor [-np N] [-H HOSTS | --hostfile F] [--model-bytes B | --model NAME] "
-              "[--step-time S] [--network-interface IF] | profiles")
+              "[--step-time S] [--network-interface IF] | profiles | resize N")
 SUBCOMMANDS = ("status", "stop", "restart", "push", "pull", "start", "export", "doctor",
-               "profiles")
+               "profiles", "resize")
 
 
 class HvdUsageError(ValueError):
@@ -276,6 +276,12 @@ def parse_line_args(line: str) -> LineRequest:
         req.names = list(p.parse_args(rest).names)
         if len(req.names) != 1:
             raise HvdUsageError("%hvd export takes one file name, e.g. %hvd export train.py")
+        return req
+    elif command == "resize":
+        if len(rest) != 1 or not rest[0].isdigit() or int(rest[0]) < 1:
+            raise HvdUsageError("%hvd resize takes the number of ranks the elastic pool "
+                                "should have, e.g. %hvd resize 3")
+        req.pool.np = int(rest[0])
         return req
     elif command == "doctor":
         _pool_options(p)

@@ -185,6 +185,17 @@ class HvdMagics(Magics):
         self.history.append({"kind": "restart"})
         self._pool_for(req.pool, _status_sink())
 
+    def _cmd_resize(self, req: Any) -> None:
+        """``%hvd resize N``: an elastic pool (``--min-np``) grows or shrinks to N ranks."""
+        self._require_pool()
+        self.history.append({"kind": "resize", "np": req.pool.np})
+        try:
+            print(self.manager.resize(req.pool.np, _status_sink()))
+        except ValueError as exc:
+            raise _usage(exc) from None
+        except Exception as exc:  # noqa: BLE001 - PoolError, or a rank's error: one line
+            raise UsageError(_remote(exc)) from None
+
     def _require_pool(self) -> Any:
         pool = self.manager.pool
         if pool is None or not pool.alive():

@@ -10,7 +10,8 @@ A record is a dict (the magics make them):
 - ``{"kind": "push", "names": ["lr"], "ranks": None or [0], "carried": {"lr": "0.1"},
   "not_carried": {"model": "why"}}`` (:func:`carry_value` made ``carried``, at push time);
 - ``{"kind": "scale", "nps": "1,2", "source": "..."}``;
-- ``{"kind": "pull", "names": ["acc"]}``; ``{"kind": "stop"}`` / ``{"kind": "restart"}``.
+- ``{"kind": "pull", "names": ["acc"]}``; ``{"kind": "stop"}`` / ``{"kind": "restart"}``;
+  ``{"kind": "resize", "np": 3}``.
 
 The script runs as is under ``hvdrun -np N python PATH``: ``hvd.init()`` first (the pool did
 it when it started), then each cell in order; ``--rank``/``--ranks`` cells under
@@ -198,6 +199,10 @@ def build_script(records: Sequence[Mapping[str, Any]], path: str = "script.py") 
         elif kind in ("stop", "restart"):
             parts.append(f"# %hvd {kind}: the notebook's pool {kind}ed here; its variables "
                          "were lost, but this script keeps its own\n")
+        elif kind == "resize":
+            parts.append(f"# %hvd resize {rec.get('np')}: the notebook's elastic pool changed "
+                         "size here; a script does so with hvdrun --max-np and "
+                         "--host-discovery-script\n")
         elif kind in ("cell", "scale"):
             number += 1
             parts.append(_cell_block(rec, number, np, notes))

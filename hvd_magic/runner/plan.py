@@ -281,9 +281,10 @@ def plan_launch(args: LaunchArgs, env: Mapping[str, str], mpi_impl: str, *,
         if single:
             out.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
             out.setdefault("OMPI_MCA_btl", "self,sm")
-            if args.host_discovery_script and not out["OMPI_MCA_btl"].startswith("^") \
+            if args.min_np is not None and not out["OMPI_MCA_btl"].startswith("^") \
                     and "tcp" not in out["OMPI_MCA_btl"].split(","):
-                # ranks that elastic training spawns later reach the others over TCP on
+                # ranks that elastic training spawns later (a host discovery script, or
+                # %hvd resize in a pool) reach the others over TCP on
                 # loopback: shared memory connects only ranks started together (measured:
                 # "unreachable proc"), and a private namespace has no other interface
                 out["OMPI_MCA_btl"] += ",tcp"
