@@ -278,6 +278,8 @@ def parse_line_args(line: str) -> LineRequest:
             raise HvdUsageError("%hvd export takes one file name, e.g. %hvd export train.py")
         return req
     elif command == "resize":
+        p.add_argument("names", nargs="*")
+        rest = p.parse_args(rest).names
         if len(rest) != 1 or not rest[0].isdigit() or int(rest[0]) < 1:
             raise HvdUsageError("%hvd resize takes the number of ranks the elastic pool "
                                 "should have, e.g. %hvd resize 3")
