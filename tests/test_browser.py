@@ -41,6 +41,23 @@ SPANS_JS = """() => {
 }"""
 
 
+# The elastic resets drawn on the timeline: the source with a "label" column and no "rank".
+RESETS_JS = """() => {
+  const out = [];
+  if (!window.Bokeh || !window.Bokeh.documents) return out;
+  for (const doc of window.Bokeh.documents) {
+    for (const m of doc.all_models) {
+      if (!m.data) continue;
+      const get = (k) => m.data.get ? m.data.get(k) : m.data[k];
+      const label = get('label'), left = get('left'), right = get('right');
+      if (!label || get('rank') || !left) continue;
+      for (let i = 0; i < label.length; i++) out.push([left[i], right[i], label[i]]);
+    }
+  }
+  return out;
+}"""
+
+
 def lane_text(page, rank):
     loc = page.locator(f"pre.hvdm-log[data-rank='{rank}']")
     return loc.first.inner_text() if loc.count() else ""
@@ -108,4 +125,31 @@ def test_live_panel_in_jupyterlab(tmp_path):
         final = page.locator(".hvdm-metrics").first.inner_text()
         assert re.search(r"communication\s+\d+%", final), final
         page.screenshot(path=str(ARTIFACTS / "widgets-done.png"), full_page=True)
+        # the elastic cell (3 ranks, --min-np 2): rank 2 is killed mid-training. While the cell
+        # still runs, its panel marks rank 2 lost, draws the reset across the timeline and
+        # counts throughput again on the 2 ranks left
+        panel = page.locator(".hvdm-panel").nth(1)
+        try:
+            panel.locator(".hvdm-badge:has-text('rank 2: lost')").first.wait_for(timeout=90000)
+            running = page.locator(".jp-InputPrompt:has-text('[*]')").count() > 0
+            panel.scroll_into_view_if_needed()
+            t0 = time.time()
+            resets = []
+            while time.time() - t0 < 10 and not resets:
+                resets = page.evaluate(RESETS_JS)
+                time.sleep(0.3)
+            page.screenshot(path=str(ARTIFACTS / "widgets-elastic.png"), full_page=True)
+        except Exception:
+            page.screenshot(path=str(ARTIFACTS / "widgets-elastic.png"), full_page=True)
+            raise
+        assert running, "the lost rank was shown only after the cell ended"
+        assert len(resets) == 1 and "rank 2 lost; 2 ranks went on from commit" in resets[0][2], \
+            resets
+        assert 0 < resets[0][0] <= resets[0][1], resets
+        metrics = panel.locator(".hvdm-metrics").first.inner_text()
+        assert "since the last reset" in metrics and "elastic reset at" in metrics, metrics
+        panel.locator(".hvdm-badge:has-text('rank 1: done')").first.wait_for(timeout=60000)
+        lane = panel.locator("pre.hvdm-log[data-rank='0']").first.inner_text()
+        assert "rank 0 of 2: step 600" in lane, lane
+        page.screenshot(path=str(ARTIFACTS / "widgets-elastic.png"), full_page=True)
         assert not [e for e in errors if "bokeh" in e.lower()], errors

@@ -74,7 +74,8 @@ def test_keras_fit_with_the_elastic_callbacks_survives_a_killed_rank():
 
 
 POOL_CELL = '''
-import os, signal, torch
+import os, signal, time, torch
+import hvd_magic
 import hvd_magic.torch as hvd
 world = hvd.size()
 torch.manual_seed(0)
@@ -92,6 +93,9 @@ def train(state):
         model(torch.ones(2, 4) * (hvd.rank() + 1)).sum().backward()
         opt.step()
         state.step += 1
+        hvd_magic.report(samples=2)
+        if hvd.size() < world:
+            time.sleep(0.1)           # the panel's batches see the ranks after the reset
         if state.step % 3 == 0:
             state.commit()
 
@@ -108,9 +112,15 @@ def test_an_elastic_pool_finishes_the_cell_on_the_survivors_and_keeps_them():
         def __init__(self):
             super().__init__(ranks=[0, 1, 2])
             self.lines = []
+            self.live_lost = False
 
         def status(self, text):
             self.lines.append(text)
+
+        def ingest(self, batches):
+            super().ingest(batches)
+            if self.cell.resets and self.cell.rank[2].status == "lost":
+                self.live_lost = self.live_lost or not self.cell.finished
 
     manager = PoolManager()
     try:
@@ -125,6 +135,18 @@ def test_an_elastic_pool_finishes_the_cell_on_the_survivors_and_keeps_them():
         assert pool.size == 2 and pool.alive() and took < 30
         assert sink.cell.rank[2].status == "lost" and sink.cell.live_ranks() == [0, 1]
         assert any("rank 2 lost (the others went on)" in s for s in sink.lines), sink.lines
+        # the ranks' telemetry told the panel while the cell ran: the lost rank, the reset
+        # (drawn on the timeline) and throughput counted again from the resume on 2 ranks
+        assert sink.live_lost
+        (reset,) = list(sink.cell.resets)
+        assert reset.lost == [2] and reset.size == 2 and reset.commit == 2 and reset.t1 > reset.t0
+        summary = "\n".join(sink.lines)
+        assert re.search(r"elastic reset at [\d.]+ s: rank 2 lost; 2 ranks went on from commit "
+                         r"2 \([\d.]+ s\)", summary), summary
+        assert "samples/s in total since the last reset" in summary, summary
+        assert sink.cell.tput[0].first[0] >= reset.t1
+        spans = sink.cell.track.all_spans()           # the timeline goes on after the reset
+        assert all(max(e for _s, e, _p, _l in spans[r]) > reset.t1 * 1e6 for r in (0, 1))
         # later cells and %hvd pull see the survivors, renumbered
         assert pool.pull("world", ranks=[1]) == [3]
         again = pool.run_cell("hvd.rank(), hvd.size(), float(model.weight.sum())", TextSink())

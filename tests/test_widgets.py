@@ -180,6 +180,49 @@ def test_a_lost_rank_leaves_the_throughput_and_efficiency_to_the_others():
     assert "rank 2: lost" in H.badge_html(2, c.rank[2].status, c.rank[2].why)
 
 
+def test_an_elastic_reset_from_the_ranks_marks_the_lost_rank_and_restarts_the_rates():
+    # 3 ranks at 90 samples/s each; rank 1 dies at 4.0 s, training resumes at 4.5 s on the two
+    # others (renumbered 0, 1: cell rank 2 is rank 1 now) at 60 samples/s each
+    c = M.CellState([0, 1, 2], single_rate=100.0, window=10.0)
+    for i in range(1, 5):
+        for r in (0, 1, 2):
+            c.ingest(batch(r, i, float(i), samples=90 * i,
+                           spans=[(i * 1e6 - 2e5, i * 1e6 - 1e5, "MPI_ALLREDUCE", "grad")]))
+    change = {"t0": 4.0, "t1": None, "generation": 7, "lost": [1], "joined": 0, "left": 0,
+              "size": 2, "commit": 3}
+    c.ingest(batch(0, 5, 4.2, samples=360, elastic=[change]))
+    assert c.rank[1].status == M.LOST and c.live_ranks() == [0, 2]
+    assert "rank 1 lost; 2 ranks went on from commit 3 (resetting ...)" in c.summary_text()
+    done = dict(change, t1=4.5)
+    for i, t in enumerate((5.0, 6.0, 7.0), 6):            # both survivors report the change
+        for r in (0, 2):
+            c.ingest(batch(r, i, t, samples=360 + 60 * (t - 4.5), elastic=[done],
+                           spans=[(t * 1e6 - 2e5, t * 1e6 - 1e5, "MPI_ALLREDUCE", "grad")]))
+    assert len(list(c.resets)) == 1
+    c.finish()
+    assert c.total_rate() == pytest.approx(120.0)          # from the resume on, not the cell
+    assert c.efficiency() == pytest.approx(0.6)            # of 2 ranks
+    text = c.summary_text()
+    assert "elastic reset at 4.0 s: rank 1 lost; 2 ranks went on from commit 3 (0.50 s)" in text
+    assert "samples/s in total since the last reset" in text
+    snap = H.snapshot_html(c)
+    assert 'class="hvdm-reset"' in snap and "hvdm-reset-note" in snap
+
+
+def test_two_resets_in_one_cell_name_the_ranks_as_the_cell_numbered_them():
+    from hvd_magic.widgets.resets import Resets
+    r = Resets([0, 1, 2, 3])
+    first = r.add({"t0": 1.0, "t1": 1.2, "generation": 1, "lost": [1], "size": 3, "commit": 2})
+    second = r.add({"t0": 2.0, "t1": 2.3, "generation": 2, "lost": [1], "size": 2, "commit": 5})
+    assert first.lost == [1] and second.lost == [2] and r.members == [0, 3]
+    assert r.add({"t0": 2.0, "t1": 2.3, "generation": 2, "lost": [1], "size": 2}) is None
+    grown = r.add({"t0": 3.0, "t1": 3.1, "generation": 3, "lost": [], "joined": 1, "size": 3,
+                   "commit": 6})
+    assert r.members == [0, 3, None] and "1 rank joined; 3 ranks went on" in grown.text()
+    shrunk = r.add({"t0": 4.0, "t1": 4.1, "generation": 4, "left": 1, "size": 1, "commit": 7})
+    assert shrunk.left == [3] and r.members == [0]
+
+
 def test_autotune_setting_in_the_summary_and_panel():
     c = M.CellState([0, 1])
     tune = {"active": True, "trial": 3, "fusion_mb": 8.0, "cycle_ms": 2.5}

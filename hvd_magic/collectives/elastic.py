@@ -99,9 +99,26 @@ def _restart(comm: Any) -> None:
 #: How many times the ranks changed (a loss or a resize); a State that last ran in an
 #: earlier generation calls its reset callbacks before it runs again.
 _generation = [0]
+#: Each change of the ranks this process lived through, in order: a dict with ``t0`` (the
+#: failure or host update caught), ``t1`` (the state synced again, training resumes; None
+#: until then),
+#: ``generation``, ``lost`` (ranks numbered as before), ``joined``, ``left``, ``size`` (after)
+#: and ``commit`` (the commits the state had). Read by the notebook panel (:func:`changes`).
+_changes: List[Dict[str, Any]] = []
 #: True while a rank that joined a notebook pool runs the pool's earlier cells (see
 #: :func:`catching_up`): functions wrapped by ``run`` return at once there.
 _catching_up = [False]
+
+
+def changes(since: float = float("-inf")) -> List[Dict[str, Any]]:
+    """The changes of the ranks (a lost rank, hosts updated) whose reset began at ``since``
+    (``time.time()``) or later; the same list, with the same ``generation`` numbers, on every
+    rank that lived through them. A lost rank 2 of 3, after commit 4::
+
+        [{"t0": 1700000000.12, "t1": 1700000000.51, "generation": 1, "lost": [2],
+          "joined": 0, "left": 0, "size": 2, "commit": 4}]
+    """
+    return [dict(c) for c in _changes if c["t0"] >= since]
 
 
 def catching_up(on: bool) -> None:
@@ -274,6 +291,15 @@ class ObjectState(State):
             setattr(self, k, v)
 
 
+def _note_change(t0: float, lost: List[int], joined: int, left: int,
+                 commit: int) -> Dict[str, Any]:
+    """Append a change to :data:`_changes`; its ``t1`` is set once the state synced again."""
+    change = {"t0": t0, "t1": None, "generation": _generation[0], "lost": list(lost),
+              "joined": joined, "left": left, "size": _state.size, "commit": commit}
+    _changes.append(change)
+    return change
+
+
 def _lost(exc: BaseException) -> bool:
     """Whether ``exc`` came of a lost rank: a RankLostError, or anything a framework made of
     one (TensorFlow re-raises errors of its host ops as its own) while the runtime died so."""
@@ -296,12 +322,16 @@ def run_fn(func: Callable, reset: Callable[[], tuple]) -> Callable:
         skip_sync = False
         if getattr(state, "_generation", _generation[0]) != _generation[0]:
             state.on_reset()        # the pool was resized between two calls (%hvd resize)
+        change: Optional[Dict[str, Any]] = None
         while True:
             try:
                 if not skip_sync:
                     state.sync()
+                if change is not None:
+                    change["t1"], change = time.time(), None
                 return func(state, *args, **kwargs)
             except HostsUpdatedInterrupt as exc:
+                t0 = time.time()
                 skip_sync = exc.skip_sync
                 want = getattr(exc, "size", None)   # None: raised by user code, no resize
                 joined, left = resize(want) if want is not None else (0, 0)
@@ -309,12 +339,16 @@ def run_fn(func: Callable, reset: Callable[[], tuple]) -> Callable:
                     what = f"{joined} rank(s) joined" if joined else f"{left} rank(s) left"
                     sys.stderr.write(f"[hvd_magic] elastic: hosts updated, {what}; continuing on "
                                      f"{_state.size} rank(s) from commit {state.commits}\n")
+                if want is not None:
+                    change = _note_change(t0, [], joined, left, state.commits)
             except Exception as exc:  # noqa: BLE001 - a framework may wrap RankLostError
                 if not _lost(exc):
                     raise
+                t0 = time.time()
                 state.restore()
                 skip_sync = False
                 lost, n = reset()
+                change = _note_change(t0, lost, 0, 0, state.commits)
                 if _state.rank == 0:
                     sys.stderr.write(f"[hvd_magic] elastic: lost rank(s) {', '.join(map(str, lost))}"
                                      f"; continuing on {n} rank(s) from commit {state.commits}\n")

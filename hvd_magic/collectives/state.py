@@ -105,7 +105,8 @@ def start(comm: Optional[Any] = None) -> bool:
             (cfg.fusion_threshold, cfg.cpu_operations, cfg.allreduce_chunk, cfg.cache_capacity),
             root=0)
         cfg.allreduce_chunk = chunk if local.Get_size() == mine.Get_size() else 0
-        tl = Timeline(mine.Get_rank())
+        old = _state.timeline
+        tl = Timeline(mine.Get_rank(), old.subscribers if old is not None else None)
         _state.comm = base
         _state.rank, _state.size = mine.Get_rank(), mine.Get_size()
         _state.local_rank, _state.local_size = local.Get_rank(), local.Get_size()

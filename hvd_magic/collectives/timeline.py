@@ -124,11 +124,13 @@ class Subscribers:
 
 
 class Timeline:
-    """This rank's event sink: collects events when a file or a subscriber wants them."""
+    """This rank's event sink: collects events when a file or a subscriber wants them.
+    ``subscribers``: the listeners of the runtime this one replaces (an elastic reset starts
+    the runtime again mid-cell; the panel's subscription goes on)."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, subscribers: Optional[Subscribers] = None) -> None:
         self.rank = rank
-        self.subscribers = Subscribers()
+        self.subscribers = subscribers if subscribers is not None else Subscribers()
         self.writer: Optional[TimelineWriter] = None  # rank 0 only
         self.mark_cycles = False
         self._recording = False
@@ -136,6 +138,7 @@ class Timeline:
         self._rec: list = []   # for rank 0's file, sent with the next negotiation
         self._pub: list = []   # for local subscribers, published after each cycle
         self.subscribers.on_change = self._update
+        self._update()
 
     def _update(self) -> None:
         self.active = self._recording or bool(self.subscribers)

@@ -11,7 +11,9 @@ that cell's metadata). Keys are ``hvdm.<rank>.<seq>`` so no batch overwrites ano
 A batch (plain dict): ``rank, seq, t, t0`` (cell start), ``status`` (running / done /
 failed), ``error``, ``samples`` (cumulative) and ``samples_t`` (time of the latest report),
 ``spans`` (merged phase spans, see :func:`.spans.compact_events`), ``busy_us`` (time with a
-collective in flight in this batch), ``pending`` (``hvd.pending()``).
+collective in flight in this batch), ``pending`` (``hvd.pending()``), ``elastic`` (the
+changes of the ranks since the cell began, see
+:func:`hvd_magic.collectives.elastic.changes`).
 """
 from __future__ import annotations
 
@@ -158,9 +160,12 @@ class _Telemetry:
             self.since = now if self.unsub is not None else None
         pending: list = []
         tune = None
+        changes: list = []
         try:
             import hvd_magic.collectives as hvd
             if hvd.is_initialized():
+                from hvd_magic.collectives.elastic import changes as elastic_changes
+                changes = elastic_changes(self.t0)
                 tune = hvd.autotune_status()
                 if status == "running":
                     pending = [p for p in hvd.pending() if (p.get("waiting_s") or 0) >= 0.5]
@@ -172,7 +177,8 @@ class _Telemetry:
                 "status": status, "error": error, "samples": samples, "samples_t": samples_t,
                 "samples_first": first_report(),
                 "spans": spans, "cut_us": cut, "busy_us": busy, "sampled_us": covered * 1e6,
-                "pending": pending, "stall_s": self.stall_s, "autotune": tune}
+                "pending": pending, "stall_s": self.stall_s, "autotune": tune,
+                "elastic": changes}
 
     def _adapt(self, n_events: int, covered: float) -> None:
         """Sample the timeline when it is busy: a cell whose events would fill more than twice

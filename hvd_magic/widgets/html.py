@@ -3,16 +3,17 @@ the banner, a small SVG timeline. Pure functions of a :class:`.model.CellState`.
 from __future__ import annotations
 
 import html
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence, Tuple
 
 from ..kernel.spans import Span
-from .model import (COMPUTE, GROUP_COLOR, STATUS_COLOR, STATUS_TEXT, CellState, autotune_text,
-                    fmt_pct, fmt_rate, phase_group)
+from .model import (COMPUTE, GROUP_COLOR, RESET_COLOR, STATUS_COLOR, STATUS_TEXT, CellState,
+                    autotune_text, fmt_pct, fmt_rate, phase_group)
 
 
 def timeline_svg(spans: Mapping[int, Sequence[Span]], width: int = 900, row: int = 22,
-                 max_spans: int = 250) -> str:
-    """A small static SVG of the last ``max_spans`` spans per rank (saved notebooks)."""
+                 max_spans: int = 250, resets: Sequence[Tuple[float, float, str]] = ()) -> str:
+    """A small static SVG of the last ``max_spans`` spans per rank (saved notebooks);
+    ``resets``: elastic resets ``(start_us, end_us, text)``, grey bands across every rank."""
     ranks = sorted(spans)
     keep = {r: list(spans[r])[-max_spans:] for r in ranks}
     allsp = [s for r in ranks for s in keep[r]]
@@ -36,6 +37,13 @@ def timeline_svg(spans: Mapping[int, Sequence[Span]], width: int = 900, row: int
             out.append(f'<rect x="{x:.1f}" y="{yy:.1f}" width="{w:.1f}" height="{hh:.1f}" '
                        f'fill="{GROUP_COLOR[grp]}"><title>{html.escape(phase)} '
                        f'{html.escape(label)} {(e - s) / 1e3:.3f} ms</title></rect>')
+    for s, e, text in resets:
+        if e >= t0 and s <= t1:
+            x = 55 + (max(s, t0) - t0) * scale
+            out.append(f'<rect class="hvdm-reset" x="{x:.1f}" y="0" height="{h - 16}" '
+                       f'width="{max((min(e, t1) - max(s, t0)) * scale, 2):.1f}" '
+                       f'fill="{RESET_COLOR}" fill-opacity="0.35"><title>{html.escape(text)}'
+                       '</title></rect>')
     out.append(f'<text x="55" y="{h - 3}">{(t1 - t0) / 1e6:.3f} s shown</text></svg>')
     return "".join(out)
 
@@ -57,14 +65,19 @@ def metrics_html(cell: CellState) -> str:
             " samples/s)</span>" if eff is not None else
             "<span style='color:#888'>no 1-rank baseline (run with -np 1 or %hvd scale)</span>")
     tune = autotune_text(cell.autotune)
-    tune = f"<div class='hvdm-autotune'>{html.escape(tune)}</div>" if tune else ""
+    extra = f"<div class='hvdm-autotune'>{html.escape(tune)}</div>" if tune else ""
+    origin = cell.origin()
+    extra += "".join(f"<div class='hvdm-reset-note' style='color:{RESET_COLOR}'>"
+                    f"{html.escape(r.text(origin))}</div>" for r in cell.resets)
+    since = (" <span style='color:#888'>(since the last reset)</span>"
+             if cell.resets.last_resume() is not None else "")
     rows = "".join(f"<td style='padding:0 10px'>rank {r}: {fmt_rate(rates[r])} samples/s, "
                    f"comm {fmt_pct(comm[r])}</td>" for r in cell.live_ranks())
     return ("<div class='hvdm-metrics' style='font-size:13px'>"
             f"<b>throughput</b> <span class='hvdm-total'>{fmt_rate(cell.total_rate())}</span> "
-            f"samples/s &nbsp; <b>scaling efficiency</b> <span class='hvdm-eff'>{base}</span> "
+            f"samples/s{since} &nbsp; <b>scaling efficiency</b> <span class='hvdm-eff'>{base}</span> "
             f"&nbsp; <b>communication</b> <span class='hvdm-comm'>{fmt_pct(cell.comm_mean())}"
-            "</span> of step time<table><tr>" + rows + "</tr></table>" + tune + "</div>")
+            "</span> of step time<table><tr>" + rows + "</tr></table>" + extra + "</div>")
 
 
 def banner_html(cell: CellState) -> str:
@@ -83,7 +96,10 @@ def snapshot_html(cell: CellState, spans: Optional[Mapping[int, Sequence[Span]]]
     lanes = "".join(
         f"<div><b>rank {r}</b><pre style='max-height:220px;overflow:auto;margin:2px 0;"
         f"background:#f7f7f7;padding:4px'>{cell.logs[r].html()}</pre></div>" for r in cell.ranks)
-    svg = timeline_svg(spans if spans is not None else cell.track.all_spans())
+    origin = cell.origin()
+    resets = [(r.t0 * 1e6, r.t1 * 1e6, r.text(origin)) for r in cell.resets if r.t1 is not None]
+    svg = timeline_svg(spans if spans is not None else cell.track.all_spans(), resets=resets)
     return ("<details class='hvdm-snapshot'><summary>hvd: static copy of this cell's panel "
             "(what a saved notebook shows without a kernel)</summary>"
-            f"{banner_html(cell)}<div>{badges}</div>{metrics_html(cell)}{lanes}{svg}</details>")
+            f"{banner_html(cell)}<div>{badges}</div>{metrics_html(cell)}{lanes}{svg}"
+            "</details>")

@@ -8,6 +8,7 @@ of the data it is given, so it is unit-tested on its own (``tests/test_widgets.p
 * :mod:`.rates`: the arithmetic of samples/s, efficiency and communication share.
 * :class:`CellState`: everything one cell's widget shows, fed with telemetry batches; its
   ``summary_text()`` is what a terminal / nbconvert gets instead of the widgets.
+* :mod:`.resets`: an elastic cell's lost ranks and resets.
 * :func:`chrome_trace`, :func:`dumps_trace`: the timeline saved for Perfetto.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 from ..kernel.spans import Span
 from .rates import (Throughput, autotune_text, comm_fraction, efficiency,  # noqa: F401
                     fmt_pct, fmt_rate)
+from .resets import Reset, Resets
 
 # ---------------------------------------------------------------------------- statuses
 
@@ -42,6 +44,7 @@ PHASE_GROUP = {NEGOTIATE: "negotiation", QUEUE: "queue", COPY_IN: "fusion copy",
                COPY_OUT: "fusion copy", COMPUTE: "compute"}
 GROUP_COLOR = {"negotiation": "#9467bd", "queue": "#c7c7c7", "fusion copy": "#17becf",
                "reduction": "#d62728", "compute": "#a6d96a"}
+RESET_COLOR = "#7f7f7f"      # an elastic reset, across every rank of the timeline
 
 
 def phase_group(phase: str) -> str:
@@ -234,6 +237,7 @@ class CellState:
         self.autotune: Optional[Dict[str, Any]] = None   # HOROVOD_AUTOTUNE's setting, from rank 0
         self.finished = False
         self.t_start = time.time()
+        self.resets = Resets(self.ranks)
 
     # -- inputs
     def stream(self, rank: int, name: str, text: str) -> None:
@@ -297,6 +301,8 @@ class CellState:
                 st.status = WAITING
             else:
                 st.status = RUNNING
+        for change in batch.get("elastic") or ():
+            self.reset(self.resets.add(change))
         if batch.get("cut_us") is not None:
             self.track.skip_to(r, float(batch["cut_us"]))
         rows = self.track.add(r, [tuple(s) for s in batch.get("spans") or []])
@@ -315,6 +321,24 @@ class CellState:
         if rank not in self.rank:
             self._add_rank(rank)
         self.rank[rank].status, self.rank[rank].why = LOST, why
+
+    def reset(self, reset: Optional[Reset]) -> None:
+        """An elastic reset the ranks reported (new, or just finished): its lost ranks are
+        marked, and once training resumed, throughput (and so efficiency) counts again from
+        then, on the ranks left."""
+        if reset is None:
+            return
+        for r in reset.lost + reset.left:
+            if r not in self.rank or self.rank[r].status != LOST:
+                self.lose(r, reset.text(self.origin()))
+        if reset.t1 is not None:
+            for r in self.live_ranks():
+                self.tput[r].restart(reset.t1)
+
+    def origin(self) -> Optional[float]:
+        """The cell's start on the ranks (wall clock s; None before the first batch)."""
+        starts = [st.t0 for st in self.rank.values() if st.t0 is not None]
+        return min(starts) if starts else None
 
     def live_ranks(self) -> List[int]:
         return [r for r in self.ranks if self.rank[r].status != LOST]
@@ -344,6 +368,8 @@ class CellState:
         """Per rank: share of time with a collective in flight (recent window, or whole cell)."""
         out: Dict[int, Optional[float]] = {}
         for r, st in self.rank.items():
+            if st.status == LOST:
+                continue
             if len(st.busy_window) >= 2 and not self.finished:
                 (_t0, b0, s0), (_t1, b1, s1) = st.busy_window[0], st.busy_window[-1]
                 out[r] = comm_fraction(b1 - b0, s1 - s0)
@@ -398,9 +424,13 @@ class CellState:
         lines = []
         statuses = ", ".join(f"rank {r} {STATUS_TEXT[self.rank[r].status]}" for r in self.ranks)
         lines.append(f"hvd: {statuses}")
+        for reset in self.resets:
+            lines.append(f"hvd: {reset.text(self.origin())}")
         if any(v is not None for v in rates.values()):
             per = ", ".join(f"rank {r} {fmt_rate(rates[r])}" for r in self.live_ranks())
-            lines.append(f"hvd: throughput {fmt_rate(self.total_rate())} samples/s in total ({per})")
+            since = " since the last reset" if self.resets.last_resume() is not None else ""
+            lines.append(f"hvd: throughput {fmt_rate(self.total_rate())} samples/s in total{since} "
+                         f"({per})")
             eff = self.efficiency()
             if eff is not None:
                 lines.append(f"hvd: scaling efficiency {fmt_pct(eff)} of {len(self.live_ranks())} x "
@@ -409,7 +439,7 @@ class CellState:
                 lines.append("hvd: scaling efficiency: no 1-rank baseline yet (run the cell "
                              "with -np 1, or %hvd scale)")
         if any(v is not None for v in comm.values()):
-            per = ", ".join(f"rank {r} {fmt_pct(comm[r])}" for r in self.ranks)
+            per = ", ".join(f"rank {r} {fmt_pct(comm[r])}" for r in self.live_ranks())
             lines.append(f"hvd: collectives in flight {fmt_pct(self.comm_mean())} of the time ({per})")
         tune = autotune_text(self.autotune)
         if tune:

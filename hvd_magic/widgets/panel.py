@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 from .. import config
 from ..kernel.output import PoolCellError
 from .html import badge_html, banner_html, metrics_html, snapshot_html
-from .model import GROUP_COLOR, STATUS_TEXT, CellState, phase_group
+from .model import GROUP_COLOR, RESET_COLOR, STATUS_TEXT, CellState, phase_group
 from .session import save_trace, session
 from .render import RENDERER
 from .text import telemetry_interval
@@ -94,6 +94,7 @@ class WidgetSink:
         self.code, self.size = "", 0
         self._pending_rows: List[Any] = []
         self._drawn: Dict[Any, Any] = {}
+        self._drawn_resets: set = set()
         self._last = 0.0
         self._t0_us: Optional[float] = None
         self._closed = False
@@ -143,6 +144,19 @@ class WidgetSink:
                legend_field="group", source=self.source, line_color=None)
         p.add_tools(HoverTool(tooltips=[("rank", "@rank"), ("phase", "@phase"),
                                         ("tensors", "@label"), ("ms", "@ms{0.000}")]))
+        # elastic resets: a grey band across every rank from the failure to the resume (often
+        # a few ms: a dashed line marks its start at any zoom), and a short label
+        self.resets_src = ColumnDataSource(dict(left=[], right=[], bottom=[], top=[], label=[],
+                                                short=[]))
+        band = p.quad(left="left", right="right", bottom="bottom", top="top", source=self.resets_src,
+                      fill_color=RESET_COLOR, fill_alpha=0.35, line_color=RESET_COLOR,
+                      legend_label="elastic reset")
+        line = p.segment(x0="left", y0="bottom", x1="left", y1="top", source=self.resets_src,
+                         line_color=RESET_COLOR, line_width=2, line_dash="dashed",
+                         legend_label="elastic reset")
+        p.text(x="left", y="top", text="short", source=self.resets_src, text_font_size="9pt",
+               text_color="#555555", text_baseline="top", x_offset=4)
+        p.add_tools(HoverTool(renderers=[band, line], tooltips=[("", "@label")]))
         p.x_range.follow = "end"
         p.x_range.follow_interval = 10.0
         p.x_range.range_padding = 0.0
@@ -245,8 +259,20 @@ class WidgetSink:
                     self._drawn[("log", r)] = log.version
                     body.value = (f"<pre class='hvdm-log' data-rank='{r}'>{log.html()}</pre>")
             rows, self._pending_rows = self._pending_rows, []
+            resets = [r for r in cell.resets if r.t1 is not None
+                      and r.generation not in self._drawn_resets]
+            self._drawn_resets.update(r.generation for r in resets)
+            origin = cell.origin()
         if rows and self.source is not None:
             self._stream_rows(rows)
+        if resets and self.source is not None:
+            t0 = (self._t0_us or 0.0) / 1e6
+            self.resets_src.stream(dict(
+                left=[r.t0 - t0 for r in resets], right=[r.t1 - t0 for r in resets],
+                bottom=[min(cell.ranks) - 0.5] * len(resets),
+                top=[max(cell.ranks) + 0.5] * len(resets),
+                label=[r.text(origin) for r in resets],
+                short=[f"reset: {r.what()}" for r in resets]))
 
     def _set_html(self, w: Any, value: str) -> None:
         if w.value != value:

@@ -13,7 +13,8 @@ class Throughput:
 
     ``add(t, cumulative)`` takes the time of the latest report and the samples counted so
     far. ``rate()`` is over the last ``window`` seconds of reports; ``average()`` over the
-    whole run (from the first report to the last, the first report's samples excluded).
+    whole run (from the first report to the last, the first report's samples excluded),
+    or since :meth:`restart`.
     """
 
     def __init__(self, window: float = 3.0) -> None:
@@ -21,9 +22,16 @@ class Throughput:
         self.points: Deque[Tuple[float, float]] = deque()
         self.first: Optional[Tuple[float, float]] = None
         self.last: Optional[Tuple[float, float]] = None
+        self.since = float("-inf")
+
+    def restart(self, t: float) -> None:
+        """Count again from ``t`` on (an elastic reset): reports before it are ignored."""
+        self.since = t
+        self.points.clear()
+        self.first = self.last = None
 
     def add(self, t: float, cumulative: float) -> None:
-        if self.last is not None and t <= self.last[0]:
+        if (self.last is not None and t <= self.last[0]) or t < self.since:
             return
         if self.first is None:
             self.first = (t, cumulative)
