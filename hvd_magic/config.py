@@ -12,6 +12,10 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Tuple
 
+#: The prefixes of the settings every rank must share: hvdrun forwards them to the ranks, and
+#: ranks that elastic training spawns get them from rank 0 (a remote host starts bare).
+PREFIXES = ("HOROVOD_", "HVD_MAGIC_")
+
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("0", "false", "no", "off")
 
@@ -195,3 +199,9 @@ def markdown_table() -> str:
         meaning = v.meaning + (" (internal)" if v.internal else "")
         rows.append(f"| `{v.name}` | {kind} | {default} | {meaning} |")
     return "\n".join(rows) + "\n"
+
+
+def settings(environ: Optional[Mapping[str, str]] = None) -> dict:
+    """The variables of ``environ`` (default ``os.environ``) under :data:`PREFIXES`."""
+    return {k: v for k, v in (os.environ if environ is None else environ).items()
+            if k.startswith(PREFIXES)}

@@ -191,3 +191,27 @@ def test_pool_oversubscribed_across_two_hosts(two_hosts):
         assert local_size == hosts.count(host) and total == 3.0
     assert res["left"] == [] and res["empty_after_s"] < 2.5, res["lingered"]
     assert not two_hosts.leftovers(wait=2.0)
+
+
+def test_elastic_growth_starts_the_new_rank_on_the_host_the_discovery_script_added(two_hosts):
+    # Horovod's semantics: the discovery script names the hosts; a rank that joins starts on
+    # one with a free slot (host B here, which the job did not have at its start)
+    slots = Path(two_hosts.shared) / "slots"
+    slots.write_text(f"{two_hosts.a.ip}:1\n")
+    script = Path(two_hosts.shared) / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {slots}\n")
+    script.chmod(0o755)
+    proc = two_hosts.run([PY, "-m", "hvd_magic.runner.cli", "-np", "1", "--min-np", "1",
+                          "--max-np", "2", "-H", f"{two_hosts.a.ip}:1", "--network-interface",
+                          "10.231.0.0/24", "--host-discovery-script", str(script), "python",
+                          str(HERE / "mpi" / "elastic_hosts.py"), str(slots), two_hosts.b.ip],
+                         timeout=60)
+    why = f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}\nagent:\n{two_hosts.agent_calls()}"
+    assert proc.returncode == 0, why
+    ranks = sorted(_records(proc.stdout, "RANK "), key=lambda r: r["rank"])
+    assert [(r["rank"], r["size"], r["host"]) for r in ranks] == [
+        (0, 2, two_hosts.a.ns), (1, 2, two_hosts.b.ns)], why
+    assert all(r["unequal"] == [] and r["step"] == 12 for r in ranks), why
+    assert ranks[0]["sum"] == ranks[1]["sum"], why
+    assert "hosts updated, 1 rank(s) joined; continuing on 2 rank(s) from commit 2" in proc.stderr, why
+

@@ -22,7 +22,8 @@ at a commit, rank 0 runs the discovery script (at most once a second, as Horovod
 polls it) and every rank learns the size the job should have: the slots the script lists,
 between ``--min-np`` and ``--max-np``. When it differs from the size now, every rank raises
 :class:`HostsUpdatedInterrupt` from that commit and :func:`resize` runs: to grow, the ranks
-start the missing ones with ``MPI_Comm_spawn`` (the same command line as theirs) and merge
+start the missing ones with ``MPI_Comm_spawn`` (the same command line as theirs; the script's
+hosts handed to Open MPI, which starts them in free slots there, on new hosts too) and merge
 with them into one communicator; to shrink, the highest ranks leave. The new ranks' first
 ``state.sync()`` gives them the committed state from rank 0 before their first step.
 """
@@ -163,24 +164,34 @@ def target_size(size: int, slots: int, min_np: int, max_np: Optional[int]) -> in
     return size if want < min_np else want
 
 
+def add_host_info(hosts: Dict[str, int]) -> str:
+    """The value of Open MPI's ``PMIX_ADD_HOST`` spawn key for the discovered ``hosts``:
+    ``{"a": 2, "b": 1}`` -> ``"a:2,b:1"``. Hosts the job has already are kept as they are,
+    and the new ranks go to free slots, so they start on the hosts the script added."""
+    return ",".join(f"{host}:{slots}" for host, slots in hosts.items() if slots > 0)
+
+
 def _discover(script: str) -> Optional[int]:
-    """Rank 0: the size the discovery script asks for now (None: not time to ask yet)."""
+    """Rank 0: the size the discovery script asks for now (None: not time to ask yet); the
+    hosts it listed are kept for the spawn (:data:`_discovered`)."""
     now = time.monotonic()
     if now - _discovered[0] < DISCOVERY_INTERVAL_S:
         return None
     _discovered[0] = now
     try:
         out = subprocess.run([script], capture_output=True, text=True, timeout=10, check=True).stdout
-        slots = sum(parse_discovery(out).values())
+        hosts = parse_discovery(out)
     except (OSError, subprocess.SubprocessError, ValueError) as exc:
         sys.stderr.write(f"[hvd_magic] elastic: host discovery script {script} failed ({exc}); "
                          "keeping the current size\n")
         return None
-    return target_size(_state.size, slots, env.get("HVD_MAGIC_ELASTIC_MIN_NP"),
+    _discovered[1] = hosts
+    return target_size(_state.size, sum(hosts.values()), env.get("HVD_MAGIC_ELASTIC_MIN_NP"),
                        env.get("HVD_MAGIC_ELASTIC_MAX_NP"))
 
 
-_discovered = [float("-inf")]
+#: Rank 0: when the discovery script last ran, and the hosts it listed ({host: slots}).
+_discovered: List[Any] = [float("-inf"), {}]
 
 
 def host_update() -> Optional[int]:
@@ -203,8 +214,13 @@ def resize(want: int) -> tuple:
     shutdown()
     if want > size:
         argv = list(getattr(sys, "orig_argv", [sys.executable] + sys.argv))
-        inter = base.Spawn(sys.executable, args=argv[1:], maxprocs=want - size)
+        info = MPI.Info.Create()
+        if rank == 0 and _discovered[1]:     # the spawn's root: place the ranks on the hosts
+            info.Set("PMIX_ADD_HOST", add_host_info(_discovered[1]))
+        inter = base.Spawn(sys.executable, args=argv[1:], maxprocs=want - size, info=info)
+        info.Free()
         merged = inter.Merge(high=False)
+        merged.bcast(env.settings(), root=0)     # to the new ranks (see state.start)
         _state.links.append(inter)   # kept: freeing it left the spawned rank hanging in MPI_Finalize
         _restart(merged)
         return want - size, 0

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import atexit
 import importlib.util
+import os
 import sys
 import threading
 import dataclasses
@@ -62,7 +63,12 @@ def start(comm: Optional[Any] = None) -> bool:
         MPI = _mpi()
         if _state.world is None:   # a rank that elastic.resize spawned joins its spawners
             parent = MPI.Comm.Get_parent()
-            _state.world = MPI.COMM_WORLD if parent == MPI.COMM_NULL else parent.Merge(high=True)
+            if parent == MPI.COMM_NULL:
+                _state.world = MPI.COMM_WORLD
+            else:
+                _state.world = parent.Merge(high=True)
+                # the spawners' settings: a rank started on another host has a bare environment
+                os.environ.update(_state.world.bcast(None, root=0))
         world = _state.world
         if comm is None:
             base = world

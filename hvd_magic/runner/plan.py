@@ -12,6 +12,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
+from .. import config
+
 OPENMPI = "openmpi"
 MPICH = "mpich"
 MPI_IMPLS = (OPENMPI, MPICH)
@@ -20,7 +22,7 @@ MPI_IMPLS = (OPENMPI, MPICH)
 LOCAL_NAMES: FrozenSet[str] = frozenset({"localhost", "127.0.0.1", "::1", "localhost.localdomain"})
 
 #: Prefixes of environment variables forwarded to every rank (besides those the flags set).
-FORWARD_PREFIXES = ("HOROVOD_", "HVD_MAGIC_")
+FORWARD_PREFIXES = config.PREFIXES
 
 #: Variables also forwarded on multi-host runs: the ranks on other hosts start from a remote
 #: shell's bare environment and must find the same Python and packages as this machine.

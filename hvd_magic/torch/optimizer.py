@@ -22,6 +22,7 @@ import torch
 
 import hvd_magic.collectives as C
 from hvd_magic.collectives import Adasum, Average, ProcessSet, Sum, global_process_set
+from hvd_magic.collectives.elastic import fault_tolerant
 from hvd_magic.collectives.ops import to_op
 
 from .buckets import Bucket, bucket_caps, check_same_layout, grad_views_enabled, make_buckets
@@ -42,7 +43,7 @@ class _DistributedOptimizer:
                    backward_passes_per_step: int, op: Any, gradient_predivide_factor: float,
                    groups: Any, sparse_as_dense: bool, process_set: ProcessSet) -> None:
         self._hvd_ps = process_set
-        self._hvd_n = n = _set_size(process_set)
+        self._hvd_reduces = reduces = _reduces(process_set)
         all_params = [p for g in self.param_groups for p in g["params"]]
         names = _param_names(self.param_groups, named_parameters)
         self._parameter_names = {p: names[id(p)] for p in all_params}   # (Horovod's attribute)
@@ -58,9 +59,9 @@ class _DistributedOptimizer:
         self._hvd_requires = [p for p in all_params if p.requires_grad]
         self._hvd_views = grad_views_enabled()
         self._hvd_buckets = make_buckets(self._hvd_requires, names, groups,
-                                         bucket_caps() if n > 1 else (0, 0))
+                                         bucket_caps() if reduces else (0, 0))
         self._hvd_bucket_of = {p: b for b in self._hvd_buckets for p in b.params}
-        if n > 1:
+        if _set_size(process_set) > 1:
             check_same_layout(self._hvd_buckets, process_set)
         self._hvd_delay = {p: backward_passes_per_step for p in self._hvd_requires}
         self._hvd_should_sync = True
@@ -68,7 +69,7 @@ class _DistributedOptimizer:
         self._hvd_fired = 0              # hook calls since the last synchronize
         self._hvd_sparse_dims: dict = {}  # param -> sparse_dim of its (sparse) gradients
         self._hvd_side: dict = {}        # param -> finisher of its sparse reduction this step
-        if n > 1:
+        if reduces:
             hook = _weak_hook(self)
             for p in self._hvd_requires:
                 # A parameter serves one DistributedOptimizer: the newest (a notebook cell run
@@ -144,7 +145,7 @@ class _DistributedOptimizer:
     def synchronize(self) -> None:
         """Wait until every gradient is averaged over all ranks. Parameters whose gradient
         was not computed on this rank (unused in its forward pass) contribute zeros."""
-        if self._hvd_n <= 1:
+        if not self._hvd_reduces:
             self._hvd_synchronized = True
             return
         try:
@@ -239,7 +240,7 @@ class _DistributedAdasumOptimizer:
     def _hvd_adasum_setup(self, named_parameters: Optional[Iterable], compression: type[Compressor],
                           backward_passes_per_step: int, process_set: ProcessSet) -> None:
         self._hvd_ps = process_set
-        self._hvd_n = _set_size(process_set)
+        self._hvd_reduces = _reduces(process_set)
         names = _param_names(self.param_groups, named_parameters)
         self._hvd_names = names
         self._parameter_names = {p: names[id(p)] for g in self.param_groups for p in g["params"]}
@@ -251,7 +252,7 @@ class _DistributedAdasumOptimizer:
             if old is not None:
                 old.remove()
                 p._hvd_magic_hook = None
-        if self._hvd_n > 1:
+        if _set_size(process_set) > 1:
             check_same_layout([Bucket(i, [p], names[id(p)]) for i, p in enumerate(self._hvd_requires)],
                               process_set)
 
@@ -268,7 +269,7 @@ class _DistributedAdasumOptimizer:
     def step(self, closure: Any = None) -> Any:
         """The wrapped optimizer's step on the local gradients, then the Adasum of every
         rank's parameter change added to the parameters as they were before the step."""
-        if self._hvd_n <= 1:
+        if not self._hvd_reduces:
             return super().step(closure)  # type: ignore[misc]
         params = self._hvd_requires
         with torch.no_grad():
@@ -396,6 +397,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
         opt._hvd_setup(named_parameters, compression, backward_passes_per_step, op,
                        gradient_predivide_factor, groups, sparse_as_dense, process_set)
     return opt
+
+
+def _reduces(process_set: ProcessSet) -> bool:
+    """Whether this rank reduces its gradients: with other ranks in the set, and also alone in
+    an elastic job (MPI fault tolerance on), which may grow at a commit: a rank that joined
+    would wait for the reductions of a first rank that skipped them."""
+    return _set_size(process_set) > 1 or (process_set.process_set_id == 0 and fault_tolerant())
 
 
 def _set_size(process_set: ProcessSet) -> int:
