@@ -1,46 +1,17 @@
-"""Gradient compression, as in ``horovod.mxnet.compression``.
-
-A compressor turns an NDArray into what travels (``compress``) and back (``decompress``)::
-
-    compressed, ctx = Compression.fp16.compress(grad)     # float32 grad -> float16 copy
-    reduced = hvd.allreduce(compressed)
-    grad = Compression.fp16.decompress(reduced, ctx)      # back to float32
-
-Only floating-point NDArrays are cast; integer ones travel as they are.
-"""
+"""Gradient compression, as in ``horovod.mxnet.compression``: the fp16 cast over NDArrays
+(the interface: :mod:`hvd_magic.collectives.compression`). Only floating-point NDArrays are
+cast; integer ones travel as they are."""
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
 
+from hvd_magic.collectives.compression import Compressor, NoneCompressor
+
 
 def _is_float(dtype: Any) -> bool:
     return np.dtype(dtype).kind == "f"
-
-
-class Compressor:
-    """Interface: ``compress(tensor) -> (tensor, ctx)``, ``decompress(tensor, ctx) -> tensor``."""
-
-    @staticmethod
-    def compress(tensor: Any) -> tuple:
-        raise NotImplementedError
-
-    @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
-        raise NotImplementedError
-
-
-class NoneCompressor(Compressor):
-    """No compression: the NDArray travels as it is."""
-
-    @staticmethod
-    def compress(tensor: Any) -> tuple:
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
-        return tensor
 
 
 class FP16Compressor(Compressor):

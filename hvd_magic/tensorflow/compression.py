@@ -9,33 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from hvd_magic.collectives.compression import Compressor, NoneCompressor
+
 from ._compat import import_tf
 
 tf = import_tf()
-
-
-class Compressor:
-    """Interface: subclass and override both static methods."""
-
-    @staticmethod
-    def compress(tensor: Any) -> tuple[Any, Any]:
-        raise NotImplementedError
-
-    @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
-        raise NotImplementedError
-
-
-class NoneCompressor(Compressor):
-    """Tensors travel unchanged."""
-
-    @staticmethod
-    def compress(tensor: Any) -> tuple[Any, Any]:
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
-        return tensor
 
 
 class _CastCompressor(Compressor):

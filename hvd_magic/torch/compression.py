@@ -1,40 +1,12 @@
-"""Gradient compression, as in ``horovod.torch.compression``.
-
-A compressor turns a tensor into what travels (``compress``) and back (``decompress``)::
-
-    compressed, ctx = Compression.fp16.compress(grad)     # float32 grad -> float16 copy
-    reduced = hvd.allreduce(compressed)
-    grad = Compression.fp16.decompress(reduced, ctx)      # back to float32
-"""
+"""Gradient compression, as in ``horovod.torch.compression``: the casts over torch tensors
+(the interface: :mod:`hvd_magic.collectives.compression`)."""
 from __future__ import annotations
 
 from typing import Any
 
 import torch
 
-
-class Compressor:
-    """Interface: ``compress(tensor) -> (tensor, ctx)``, ``decompress(tensor, ctx) -> tensor``."""
-
-    @staticmethod
-    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        raise NotImplementedError
-
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        raise NotImplementedError
-
-
-class NoneCompressor(Compressor):
-    """No compression: the tensor travels as it is."""
-
-    @staticmethod
-    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        return tensor
+from hvd_magic.collectives.compression import Compressor, NoneCompressor
 
 
 class _CastCompressor(Compressor):
