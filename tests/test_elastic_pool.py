@@ -71,6 +71,7 @@ def ip():
     shell.run_line_magic("reload_ext", "hvd_magic")
     yield shell
     shell.run_line_magic("hvd", "stop")
+    shell.run_line_magic("unload_ext", "hvd_magic")    # the next module's magics start afresh
     assert not wait_no_pool_processes(5.0)
 
 

@@ -94,7 +94,7 @@ def test_quickstart_round_trip(tmp_path, capsys):
     pytest.importorskip("sklearn")
     from IPython.testing.globalipapp import get_ipython, start_ipython
     ip = start_ipython() or get_ipython()
-    ip.run_line_magic("load_ext", "hvd_magic")
+    ip.run_line_magic("reload_ext", "hvd_magic")   # fresh magics: no other test's cells
     try:
         capsys.readouterr()
         for line, body in _quickstart_cells():
@@ -123,7 +123,7 @@ def test_quickstart_round_trip(tmp_path, capsys):
 def test_three_rank_round_trip_with_push_and_rank_guards(tmp_path, capsys):
     from IPython.testing.globalipapp import get_ipython, start_ipython
     ip = start_ipython() or get_ipython()
-    ip.run_line_magic("load_ext", "hvd_magic")
+    ip.run_line_magic("reload_ext", "hvd_magic")   # fresh magics: no other test's cells
     cells = [("-np 3 --no-stream", "import numpy as np\nimport hvd_magic.collectives as hvd\n"
                                    "print('size', hvd.size())"),
              ("--no-stream", "s = hvd.allreduce(np.array([lr * (hvd.rank() + 1)]), op=hvd.Sum)\n"

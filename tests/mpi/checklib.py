@@ -41,3 +41,29 @@ def finish(hvd):
     print(f"[rank {rank}] done, {len(FAILS)} failures", flush=True)
     hvd.shutdown()
     sys.exit(1 if FAILS else 0)
+
+
+def replay_fails(model, steps, X, Y, seed, epochs, lr=0.05):
+    """An elastic run's failures against one process replaying it: ``steps`` holds
+    ``(epoch, [each rank's sample indices])`` per global step. Every sample of each epoch
+    must be trained exactly once, and ``model`` (a Linear) must equal a Linear seeded with
+    ``seed`` and trained by SGD(lr) on the same global batches (the mean of the ranks' equal-sized
+    batch means)."""
+    import torch
+    fails = []
+    n = X.shape[0]
+    for e in range(epochs):
+        seen = sorted(i for ep, step in steps if ep == e for part in step for i in part)
+        if seen != list(range(n)):
+            fails.append(f"epoch {e}: samples trained {len(seen)}, distinct {len(set(seen))} of {n}")
+    torch.manual_seed(seed)
+    ref = torch.nn.Linear(X.shape[1], 1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    for _e, step in steps:
+        ref_opt.zero_grad()
+        sum(torch.nn.functional.mse_loss(ref(X[p]), Y[p]) for p in step).div(len(step)).backward()
+        ref_opt.step()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        if not torch.allclose(a, b, atol=1e-5):
+            fails.append(f"weights differ from the replay: {a.ravel()[:3]} vs {b.ravel()[:3]}")
+    return fails

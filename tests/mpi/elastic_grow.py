@@ -14,6 +14,7 @@ import time
 import torch
 
 import hvd_magic.torch as hvd
+from checklib import replay_fails
 
 hvd.init()
 SLOTS = sys.argv[1]
@@ -69,20 +70,8 @@ if hvd.size() != 2:
 sizes = [len(step) for _e, step in state.steps]
 if 3 not in sizes:
     fails.append(f"never trained on 3 ranks: {sizes}")
-for e in range(EPOCHS):
-    seen = sorted(i for ep, step in state.steps if ep == e for part in step for i in part)
-    if seen != list(range(N)):
-        fails.append(f"epoch {e}: samples trained {len(seen)}, distinct {len(set(seen))} of {N}")
-torch.manual_seed(1234)                 # rank 0's first weights, which the first sync spread
-ref = torch.nn.Linear(8, 1)
-ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
-for _e, step in state.steps:
-    ref_opt.zero_grad()
-    sum(torch.nn.functional.mse_loss(ref(X[p]), Y[p]) for p in step).div(len(step)).backward()
-    ref_opt.step()
-for a, b in zip(model.parameters(), ref.parameters()):
-    if not torch.allclose(a, b, atol=1e-5):
-        fails.append(f"weights differ from the replay: {a.ravel()[:3]} vs {b.ravel()[:3]}")
+# rank 0's first weights, which the first sync spread
+fails += replay_fails(model, state.steps, X, Y, seed=1234, epochs=EPOCHS)
 for f in fails:
     print(f"rank {hvd.rank()}: FAIL {f}", flush=True)
 print("elastic OK" if not fails else "elastic FAILED", flush=True)

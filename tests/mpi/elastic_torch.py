@@ -15,6 +15,7 @@ import time
 import torch
 
 import hvd_magic.torch as hvd
+from checklib import replay_fails
 
 hvd.init()
 N, BATCH, EPOCHS, COMMIT_EVERY = 96, 4, 2, 2
@@ -67,21 +68,7 @@ train(state)
 fails = []
 if hvd.size() != world - len(KILLS):
     fails.append(f"ended on {hvd.size()} ranks, not {world - len(KILLS)}")
-for e in range(EPOCHS):
-    seen = sorted(i for ep, step in state.steps if ep == e for part in step for i in part)
-    if seen != list(range(N)):
-        fails.append(f"epoch {e}: samples trained {len(seen)}, distinct {len(set(seen))} of {N}")
-# one process replaying the committed global batches: the mean of equal-sized per-rank means
-torch.manual_seed(0)
-ref = torch.nn.Linear(8, 1)
-ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
-for _e, step in state.steps:
-    ref_opt.zero_grad()
-    sum(torch.nn.functional.mse_loss(ref(X[p]), Y[p]) for p in step).div(len(step)).backward()
-    ref_opt.step()
-for a, b in zip(model.parameters(), ref.parameters()):
-    if not torch.allclose(a, b, atol=1e-5):
-        fails.append(f"weights differ from the replay: {a.ravel()[:3]} vs {b.ravel()[:3]}")
+fails += replay_fails(model, state.steps, X, Y, seed=0, epochs=EPOCHS)
 if hvd.rank() == 0 and "resumed" in marks:
     print(f"RESUMED {marks['resumed']:.3f}", flush=True)
 for f in fails:
