@@ -79,6 +79,9 @@ def test_analyse_flags_version_mismatch_and_predicts():
     assert "1.00 Gbit/s" in text and "BAD torch" in text and "problem(s) to fix" in text
     from hvd_magic.widgets.doctor import report_html
     assert "1.00 Gbit/s" in report_html(rep) and "torch" in report_html(rep)
+    import html
+    assert f"<b>prediction</b>: {html.escape(D.prediction_text(rep.prediction))}" in report_html(rep)
+    assert "2.00 MB of gradients per step" in D.prediction_text(rep.prediction)
 
 
 def test_analyse_asks_for_both_model_inputs():

@@ -218,6 +218,16 @@ def gbit(bytes_per_s: float) -> str:
     return f"{bytes_per_s * 8 / 1e9:.2f} Gbit/s"
 
 
+def prediction_text(p: Dict[str, float]) -> str:
+    """A :attr:`Report.prediction` in words: ``"1.95 MB of gradients per step, 49.6 ms per
+    step on one rank -> allreduce 18.1 ms, scaling efficiency 0.73 at 2 ranks (an ideal ring
+    on the slowest link: 16.0 ms, 0.76)"``."""
+    return (f"{p['model_bytes'] / 1e6:.2f} MB of gradients per step, {p['step_time'] * 1e3:.1f} "
+            f"ms per step on one rank -> allreduce {p['allreduce_time'] * 1e3:.1f} ms, scaling "
+            f"efficiency {p['efficiency']:.2f} at {int(p['n'])} ranks (an ideal ring on the "
+            f"slowest link: {p['ring_allreduce_time'] * 1e3:.1f} ms, {p['ring_efficiency']:.2f})")
+
+
 def render_text(rep: Report) -> str:
     """The report as plain text (the widget's fallback and ``--json``-less CLI output)."""
     lines = [f"hvd doctor: {rep.np} ranks on {len(rep.hosts)} host(s): "
@@ -238,14 +248,8 @@ def render_text(rep: Report) -> str:
                      f"{gbit(rep.allreduce['bandwidth'])}, latency "
                      f"{rep.allreduce['latency'] * 1e6:.0f} us")
     lines.append("  GPUs: " + ", ".join(f"rank {r}: {g}" for r, g in sorted(rep.gpus.items())))
-    p = rep.prediction
-    if p:
-        lines.append(f"  prediction: {p['model_bytes'] / 1e6:.2f} MB of gradients per step, "
-                     f"{p['step_time'] * 1e3:.1f} ms per step on one rank -> allreduce "
-                     f"{p['allreduce_time'] * 1e3:.1f} ms, scaling efficiency "
-                     f"{p['efficiency']:.2f} at {int(p['n'])} ranks (an ideal ring on the "
-                     f"slowest link: {p['ring_allreduce_time'] * 1e3:.1f} ms, "
-                     f"{p['ring_efficiency']:.2f})")
+    if rep.prediction:
+        lines.append(f"  prediction: {prediction_text(rep.prediction)}")
     lines += [f"  note: {t}" for t in rep.notes]
     lines += [f"  PROBLEM: {t}" for t in rep.problems]
     lines.append("  verdict: " + ("ready" if not rep.problems else

@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 from typing import Any, List
 
-from ..runner.doctor import Report, gbit, render_text
+from ..runner.doctor import Report, gbit, prediction_text, render_text
 
 OK, BAD = "#2e7d32", "#c62828"
 
@@ -46,13 +46,8 @@ def report_html(rep: Report) -> str:
                              gbit(rep.allreduce["bandwidth"]),
                              f"{rep.allreduce['latency'] * 1e6:.0f} us"]))
         out.append("</table>")
-    p = rep.prediction
-    if p:
-        out.append(f"<p>Predicted scaling efficiency at {int(p['n'])} ranks: "
-                   f"<b>{p['efficiency']:.2f}</b> ({p['model_bytes'] / 1e6:.2f} MB of gradients, "
-                   f"{p['step_time'] * 1e3:.1f} ms/step on one rank, allreduce "
-                   f"{p['allreduce_time'] * 1e3:.1f} ms; ideal ring "
-                   f"{p['ring_efficiency']:.2f})</p>")
+    if rep.prediction:
+        out.append(f"<p><b>prediction</b>: {e(prediction_text(rep.prediction))}</p>")
     out += [f"<p>note: {e(t)}</p>" for t in rep.notes]
     out += [f'<p style="color:{BAD}">problem: {e(t)}</p>' for t in rep.problems]
     return "".join(out) + "</div>"
