@@ -94,8 +94,8 @@ def shrink() -> tuple:
 def _skip_finalize_fence() -> None:
     """On a rank that survived a loss: MPI_Finalize skips its closing PMIx fence over the
     whole job. In Open MPI 5.0.11 that fence, which still counts the dead rank, never
-    completed in about 1 of 10 runs (the survivors finished training and hung at exit, under
-    hvdrun too); Open MPI keeps the switch for it in libmpi (``ompi_async_mpi_finalize``, no
+    completed in 6 of 45 launches of benchmarks/elastic.py (the survivors finished training
+    and hung at exit, under hvdrun too; none of 24 since); Open MPI keeps the switch for it in libmpi (``ompi_async_mpi_finalize``, no
     MCA name). Other MPIs: nothing to do."""
     import ctypes
     from mpi4py import MPI
@@ -119,9 +119,9 @@ def _restart(comm: Any) -> None:
 _generation = [0]
 #: Each change of the ranks this process lived through, in order: a dict with ``t0`` (the
 #: failure or host update caught), ``t1`` (the state synced again, training resumes; None
-#: until then),
-#: ``generation``, ``lost`` (ranks numbered as before), ``joined``, ``left``, ``size`` (after)
-#: and ``commit`` (the commits the state had). Read by the notebook panel (:func:`changes`).
+#: until then), ``generation``, ``lost`` (ranks numbered as before), ``joined``, ``left``,
+#: ``size`` (after) and ``commit`` (the commits the state had). Read by the notebook panel
+#: (:func:`changes`).
 _changes: List[Dict[str, Any]] = []
 #: True while a rank that joined a notebook pool runs the pool's earlier cells (see
 #: :func:`catching_up`): functions wrapped by ``run`` return at once there.
