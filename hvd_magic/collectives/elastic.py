@@ -95,8 +95,8 @@ def _skip_finalize_fence() -> None:
     """On a rank that survived a loss: MPI_Finalize skips its closing PMIx fence over the
     whole job. In Open MPI 5.0.11 that fence, which still counts the dead rank, never
     completed in 6 of 45 launches of benchmarks/elastic.py (the survivors finished training
-    and hung at exit, under hvdrun too; none of 24 since); Open MPI keeps the switch for it in libmpi (``ompi_async_mpi_finalize``, no
-    MCA name). Other MPIs: nothing to do."""
+    and hung at exit, under hvdrun too; none of 24 since). Open MPI keeps the switch for it
+    in libmpi (``ompi_async_mpi_finalize``, no MCA name). Other MPIs: nothing to do."""
     import ctypes
     from mpi4py import MPI
     if MPI.get_vendor()[0] != "Open MPI":

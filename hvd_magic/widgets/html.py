@@ -97,7 +97,7 @@ def snapshot_html(cell: CellState, spans: Optional[Mapping[int, Sequence[Span]]]
         f"<div><b>rank {r}</b><pre style='max-height:220px;overflow:auto;margin:2px 0;"
         f"background:#f7f7f7;padding:4px'>{cell.logs[r].html()}</pre></div>" for r in cell.ranks)
     origin = cell.origin()
-    resets = [(r.t0 * 1e6, r.t1 * 1e6, r.text(origin)) for r in cell.resets if r.t1 is not None]
+    resets = [(r.t0 * 1e6, r.t1 * 1e6, r.text(origin)) for r in cell.resets.finished()]
     svg = timeline_svg(spans if spans is not None else cell.track.all_spans(), resets=resets)
     return ("<details class='hvdm-snapshot'><summary>hvd: static copy of this cell's panel "
             "(what a saved notebook shows without a kernel)</summary>"

@@ -329,7 +329,7 @@ class CellState:
         if reset is None:
             return
         for r in reset.lost + reset.left:
-            if r not in self.rank or self.rank[r].status != LOST:
+            if r not in self.rank or self.rank[r].status != LOST:     # the first word stays
                 self.lose(r, reset.text(self.origin()))
         if reset.t1 is not None:
             for r in self.live_ranks():

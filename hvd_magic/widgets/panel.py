@@ -259,8 +259,7 @@ class WidgetSink:
                     self._drawn[("log", r)] = log.version
                     body.value = (f"<pre class='hvdm-log' data-rank='{r}'>{log.html()}</pre>")
             rows, self._pending_rows = self._pending_rows, []
-            resets = [r for r in cell.resets if r.t1 is not None
-                      and r.generation not in self._drawn_resets]
+            resets = [r for r in cell.resets.finished() if r.generation not in self._drawn_resets]
             self._drawn_resets.update(r.generation for r in resets)
             origin = cell.origin()
         if rows and self.source is not None:

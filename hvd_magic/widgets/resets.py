@@ -85,7 +85,11 @@ class Resets:
         self.by_generation[gen] = reset
         return reset
 
+    def finished(self) -> List[Reset]:
+        """The resets after which training resumed (``t1`` known), in order."""
+        return [r for r in self if r.t1 is not None]
+
     def last_resume(self) -> Optional[float]:
         """When training last resumed after a reset (None: no finished reset)."""
-        done = [r.t1 for r in self.by_generation.values() if r.t1 is not None]
-        return max(done) if done else None
+        done = self.finished()
+        return done[-1].t1 if done else None
