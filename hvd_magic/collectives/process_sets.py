@@ -18,14 +18,15 @@ Example, 3 ranks::
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 from .. import config as env
 from .state import _lock, _require, _state, start
 
 
 class ProcessSet:
-    """Some ranks that run collectives together: ``ProcessSet([0, 2])`` or
+    """Some ranks that run collectives together: ``ProcessSet([0, 2])`` (any iterable of
+    ranks, kept sorted: ``ProcessSet(reversed(range(1, n)))`` is ranks 1..n-1) or
     ``ProcessSet(mpi_comm)`` (an mpi4py communicator over some of the ranks; each rank passes
     its own). ``process_set_id`` is set once the set is registered."""
 
@@ -33,21 +34,23 @@ class ProcessSet:
     ranks: Optional[list] = None
     mpi_comm: Any = None
 
-    def __init__(self, ranks_or_comm: Union[Sequence[int], Any]):
-        if isinstance(ranks_or_comm, (list, tuple, range, set, frozenset)):
-            ranks = sorted(ranks_or_comm)
-            if any(isinstance(r, bool) or not isinstance(r, int) for r in ranks):
-                raise ValueError("ProcessSet takes a list of int ranks or an mpi4py "
-                                 f"communicator, got {list(ranks_or_comm)!r}")
-            if len(set(ranks)) != len(ranks):
-                raise ValueError(f"ProcessSet({list(ranks_or_comm)!r}): a rank appears twice")
-            self.ranks = ranks
+    def __init__(self, ranks_or_comm: Union[Iterable[int], Any]):
+        try:      # any iterable of ranks, sorted (as Horovod's): range, generator, set...
+            given = list(ranks_or_comm)
+        except TypeError:      # (an mpi4py communicator is not iterable)
+            from mpi4py import MPI
+            if not isinstance(ranks_or_comm, MPI.Comm):
+                raise ValueError("ProcessSet takes an iterable of int ranks or an mpi4py "
+                                 f"communicator, not {type(ranks_or_comm).__name__}") from None
+            self.mpi_comm = ranks_or_comm
             return
-        from mpi4py import MPI
-        if not isinstance(ranks_or_comm, MPI.Comm):
-            raise ValueError("ProcessSet takes a list of int ranks or an mpi4py communicator, "
-                             f"not {type(ranks_or_comm).__name__}")
-        self.mpi_comm = ranks_or_comm
+        if any(isinstance(r, bool) or not isinstance(r, int) for r in given):
+            raise ValueError("ProcessSet takes an iterable of int ranks or an mpi4py "
+                             f"communicator, got {given!r}")
+        ranks = sorted(given)
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"ProcessSet({given!r}): a rank appears twice")
+        self.ranks = ranks
 
     def _invalidate(self) -> None:
         self.process_set_id = None
@@ -102,15 +105,35 @@ def init(comm: Optional[Any] = None, process_sets: Any = None) -> None:
     """Start the runtime on this rank (see :func:`.state.start` for ``comm``).
     ``process_sets``: a list of :class:`ProcessSet` to register now (the same sets on every
     rank, or communicators each rank is in), or ``"dynamic"`` to allow
-    :func:`add_process_set` later (as ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` does)."""
-    if process_sets is not None and process_sets != "dynamic" and not isinstance(process_sets, (list, tuple)):
-        raise TypeError('init(process_sets=...) takes a list of ProcessSet or "dynamic", '
-                        f"not {type(process_sets).__name__}")
+    :func:`add_process_set` later (as ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` does).
+
+    An entry with the same ranks as an earlier one, or as the global set, raises
+    ``ValueError`` naming it, after the runtime and the other sets have started (as in
+    Horovod, whose C++ core registers the sets before the check)."""
+    dynamic = isinstance(process_sets, str) and process_sets == "dynamic"
+    sets: Optional[list] = []
+    if process_sets is not None and not dynamic:
+        try:            # any iterable of ProcessSet, as Horovod's
+            sets = None if isinstance(process_sets, str) else list(process_sets)
+        except TypeError:
+            sets = None
+        if sets is None or not all(isinstance(ps, ProcessSet) for ps in sets):
+            raise TypeError('init(process_sets=...) takes a list of ProcessSet or "dynamic", '
+                            f"not {process_sets!r}")
     if start(comm):
-        _state.dynamic = process_sets == "dynamic" or env.get("HOROVOD_DYNAMIC_PROCESS_SETS")
+        _state.dynamic = dynamic or env.get("HOROVOD_DYNAMIC_PROCESS_SETS")
         global_process_set.ranks = list(range(_state.size))
-        if process_sets and process_sets != "dynamic":
-            _register(list(process_sets))
+        if sets:
+            _register(sets)
+            for i, ps in enumerate(sets):
+                if ps.process_set_id is None:
+                    first = next((j for j, o in enumerate(sets[:i]) if o.ranks == ps.ranks), None)
+                    like = ("the global process set" if first is None
+                            else f"entry number {first}")
+                    raise ValueError(
+                        f"process_sets entry number {i} is a duplicate: {ps.ranks} are the "
+                        f"ranks of {like}; pass each set once to hvd.init (the runtime has "
+                        "started, with the other sets registered)")
 
 
 def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet:

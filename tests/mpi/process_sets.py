@@ -189,8 +189,12 @@ def static_sets():
     mates = [k for k in range(n) if k % 2 == r % 2]
     again = hvd.ProcessSet(mates)              # the same ranks as ``split``: invalidated
     whole = hvd.ProcessSet(list(range(n)))     # the global set's ranks: invalidated too
-    pair = hvd.ProcessSet([1, 2] if n >= 3 else [1])
-    hvd.init(process_sets=[split, again, whole] + ([pair] if n >= 3 else []))
+    pair = hvd.ProcessSet(reversed(range(1, n)))     # any iterable: ranks 1..n-1, sorted
+    check(pair.ranks == list(range(1, n)), f"ProcessSet(reversed(range(1, n))).ranks {pair.ranks}")
+    # duplicates raise, naming the entry, once the runtime and the other sets have started
+    # (as Horovod's init)
+    raises(lambda: hvd.init(process_sets=[split, again, whole] + ([pair] if n >= 3 else [])),
+           ValueError, "process_sets entry number 1 is a duplicate", f"{mates}", "entry number 0")
     check(split.ranks == mates, f"set from a communicator: ranks {split.ranks} != {mates}")
     # ids follow rank 0's list, then the other ranks' new sets: {0, 2..} 1, then {1, 2} or {1}
     want = 1 if r % 2 == 0 else (3 if n >= 3 else 2)
@@ -204,6 +208,12 @@ def static_sets():
     raises(lambda: hvd.add_process_set([0]), ValueError, "HOROVOD_DYNAMIC_PROCESS_SETS=1")
     hvd.shutdown()
     sub.Free()
+    # an entry with the global set's ranks is a duplicate too; init(process_sets=) takes any
+    # iterable of sets
+    raises(lambda: hvd.init(process_sets=iter([hvd.ProcessSet(range(n))])), ValueError,
+           "entry number 0 is a duplicate", "global process set")
+    check(hvd.allreduce(np.array([1.0]), op=hvd.Sum)[0] == n, "the runtime runs after the error")
+    hvd.shutdown()
 
 
 try:
