@@ -1,5 +1,5 @@
-"""Who is in an elastic pool (``%%hvd --min-np N``): the ranks that go on after a lost one
-(:func:`survive`), and ``%hvd resize N`` (:func:`resize`).
+"""Runs in the notebook kernel. ``%hvd resize N`` on an elastic pool (``%%hvd --min-np M``);
+which ranks go on after a lost one is decided in :mod:`.liveness`.
 
 Growing runs the same path as a script under ``hvdrun --host-discovery-script``: every rank
 calls :func:`hvd_magic.collectives.elastic.resize`, which spawns the new engines with
@@ -12,35 +12,15 @@ runs every rank's reset callbacks. Shrinking: ranks ``N`` and up leave (their en
 """
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, List, Optional
 
 from .. import config
-from .cells import notify
-from .output import OutputSink, PoolError, RankFailure, n_ranks
-from .procs import descendants, parse_rank_exits, tail
+from .output import OutputSink, PoolError, n_ranks
+from .procs import descendants
 
 #: Seconds a new rank may take to run the pool's earlier cells (imports, data, the model).
 CATCH_UP_TIMEOUT = 600.0
-
-
-def survive(pool: Any, failures: List[RankFailure], sink: OutputSink) -> bool:
-    """An elastic pool's cell where ranks died and every other rank finished: the pool
-    goes on without them (renumbered as ``hvd.elastic.run`` renumbered them)."""
-    lost = [f.rank for f in failures if f.kind == "died"]
-    left = [r for r in range(pool.size) if r not in lost]
-    if len(failures) != len(lost) or len(left) < max(1, pool.config.min_np or 1):
-        return False
-    exits = {e.rank: e.how for e in parse_rank_exits(
-        tail(os.path.join(pool.config.workdir, "mpiexec.log"), 20000))}
-    how = "; ".join(f"rank {r} {exits.get(pool.engines[r], 'died')}" for r in lost)
-    for r in lost:
-        notify(sink, "lost", r, exits.get(pool.engines[r], "died"))
-    pool.set_members(left)
-    sink.status(f"hvd: {how}; the pool goes on with {n_ranks(len(left))}, renumbered "
-                f"0..{len(left) - 1}")
-    return True
 
 
 def resize(pool: Any, n: int, sink: Optional[OutputSink] = None) -> str:

@@ -34,7 +34,7 @@ HEARTBEAT_MS = 100
 #: Busy or stopped: each engine answers the ping from a zmq thread that needs neither the
 #: GIL nor the interpreter, so a rank that computes (even in C code holding the GIL) still
 #: answers, and only a stopped or frozen process, or an unreachable host, misses 30 in a row;
-#: the pool then ends the cell naming that rank (``Pool.unheard_text``).
+#: the pool then ends the cell naming that rank (:func:`.liveness.unheard_text`).
 #: At 10 x 100 ms a 2-rank training cell on the loaded 2-core VM lost its pool while
 #: mpiexec and every rank were still up; in another run both ranks' answers arrived ~0.6 s
 #: late together, six beats missed in a row (controller.log, 2026-11-23). Dead ranks on

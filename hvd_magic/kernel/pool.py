@@ -20,12 +20,12 @@ import weakref
 from typing import Any, Dict, List, Optional, Sequence
 
 from .. import config
+from . import liveness
 from .cells import CellOutcome, Pump, clean_stale_dirs, engine_lost, ipyparallel, notify, \
     rank_done, rank_error, rank_futures, short_tmp
 from .output import OutputSink, PoolCellError, PoolCellInterrupted, PoolCellTimeout, PoolError, \
     RankDiedError, RankFailure, n_ranks, ranks_text
 from .plan import HEARTBEAT_MISSES, PoolConfig, PoolPlan, plan_pool
-from .elastic import survive
 from .settle import settle
 from .procs import descendants, describe_exit, end_job_first, parse_rank_exits, pids_gone, \
     spawn, stop_tree, tail
@@ -161,33 +161,42 @@ class Pool:
         """True while the controller, mpiexec and every rank are up."""
         if self.ended is not None or self.client is None:
             return False
-        for proc in (self.mpiexec, self.controller):
-            if proc is None or proc.poll() is not None:
-                self.ended = self._why_ended()
-                return False
+        if self._job_ended() is not None:
+            self.ended = liveness.ended_text(self._seen(exits=True))
+            return False
         return set(self.engines) <= set(self.client.ids)
 
-    def _why_ended(self) -> str:
-        """How the pool ended, in words: the ranks mpiexec reported, else the exit statuses."""
-        exits = parse_rank_exits(tail(os.path.join(self.config.workdir, "mpiexec.log"), 20000))
-        if exits:
-            return "; ".join(f"rank {e.rank} {e.how}" for e in exits)
+    def _job_ended(self) -> Optional[str]:
+        """How mpiexec or the controller ended, in words; None while both run."""
         for name, proc in (("mpiexec", self.mpiexec), ("the controller", self.controller)):
-            if proc is None or proc.poll() is not None:
-                return f"{name} {describe_exit(None if proc is None else proc.returncode)}"
-        missing = self._unheard()
-        if missing:
-            return self.unheard_text(missing)
-        return "the ranks stopped answering"
+            if proc is None:
+                return f"{name} was stopped"
+            if proc.poll() is not None:
+                return f"{name} {describe_exit(proc.returncode)}"
+        return None
 
-    def unheard_text(self, ranks: Sequence[int]) -> str:
-        """Why ``ranks`` count as gone, where they ran, and what to do next."""
-        where = ", ".join(f"rank {r} (pid {self.pids.get(r, '?')} on "
-                          f"{self.hosts.get(r, '?')})" for r in ranks)
-        limit = f"{HEARTBEAT_MISSES * self.config.heartbeat_ms / 1000:g} s"
-        return (f"{where} stopped answering the heartbeat for {limit}: paused (a debugger, "
-                f"Ctrl-Z, SIGSTOP), or its host froze or lost the network (a rank that only "
-                f"computes still answers; resume a paused one within {limit})")
+    def _seen(self, ar: Any = None, exits: bool = False, cell: Optional[List[RankFailure]] = None,
+              targets: Sequence[int] = ()) -> liveness.Seen:
+        """What this pool observes now, for :func:`.liveness.judge`: ``exits`` reads the rank
+        exits in mpiexec's log; ``ar`` (a running cell) adds the ranks whose engine was lost;
+        ``cell``: the failures of a cell that ended."""
+        unheard = self._unheard()
+        elastic = self.elastic()
+        lost = []
+        if ar is not None and cell is None:
+            lost = [r for r, md in zip(targets, ar.metadata) if engine_lost(md.get("error"))]
+        return liveness.Seen(
+            size=self.size, heartbeat_s=HEARTBEAT_MISSES * self.config.heartbeat_ms / 1000,
+            elastic=elastic, min_np=self.config.min_np or 1, job_ended=self._job_ended(),
+            exits=parse_rank_exits(self._log()) if exits else (), unheard=unheard,
+            unheard_exited=bool(unheard and elastic and self.plan.signal_via_pid and pids_gone(
+                [self.pids.get(r) for r in unheard])),
+            engines_lost=lost, engines=list(self.engines), cell=cell, targets=list(targets),
+            where={r: f"pid {self.pids.get(r, '?')} on {self.hosts.get(r, '?')}"
+                   for r in unheard})
+
+    def _log(self) -> str:
+        return tail(os.path.join(self.config.workdir, "mpiexec.log"), 20000)
 
     def _unheard(self) -> List[int]:
         """Ranks the controller no longer lists (it dropped them after missed heartbeats)."""
@@ -292,7 +301,7 @@ class Pool:
             self.last_cell[r] = "running a cell"
         pump = Pump(ar, targets, sink)
         try:
-            self._wait(ar, pump, poke, timeout)
+            self._wait(ar, pump, poke, targets, timeout)
         except KeyboardInterrupt:
             note = settle(self, ar, pump, targets, "interrupted")
             raise PoolCellInterrupted(note) from None
@@ -317,7 +326,7 @@ class Pool:
             view = self._views[key] = self.client[[self.engines[r] for r in targets]]
         return view
 
-    def _wait(self, ar: Any, pump: "Pump", poke: "queue.SimpleQueue[int]",
+    def _wait(self, ar: Any, pump: "Pump", poke: "queue.SimpleQueue[int]", targets: List[int],
               timeout: Optional[float]) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         while not ar.ready():
@@ -326,21 +335,15 @@ class Pool:
             except queue.Empty:
                 pass
             pump.flush()
-            if self.mpiexec.poll() is not None or self.controller.poll() is not None:
-                ar.wait(0.1)          # results already on their way; the job is over
-                return
-            silent = self._unheard()
-            if silent and self.elastic() and self.plan.signal_via_pid and pids_gone(
-                    [self.pids.get(r) for r in silent]):
-                pass        # ranks that died: the others go on (hvd.elastic.run); a paused
-                            # or unreachable rank still ends the cell, as below
-            elif silent:
-                return      # a rank went silent (see plan.HEARTBEAT_MISSES): _outcome ends it
-            elif any(engine_lost(md.get("error")) for md in ar.metadata):
-                # one rank is gone: MPI ends the whole job; give mpiexec a moment to say
-                # which rank and how, then let _outcome stop the pool
+            verdict = liveness.judge(self._seen(ar, targets=targets))
+            if verdict.action != liveness.WAIT:
+                # the job is over (its results are on their way), or mpiexec is about to
+                # say which rank ended: give it ``grace`` s
                 try:
-                    self.mpiexec.wait(1.0)
+                    if self.mpiexec.poll() is not None:
+                        ar.wait(verdict.grace)
+                    elif verdict.grace:
+                        self.mpiexec.wait(verdict.grace)
                 except Exception:  # noqa: BLE001 - still running: stopped by _death
                     pass
                 return
@@ -404,9 +407,14 @@ class Pool:
                     out.results[r] = res.get("data", {})
                     sink.result(r, out.results[r])
                     out.counts[r] = res.get("execution_count", 0)
-        if died and self.elastic() and survive(self, failures, sink):
-            return out
         if died or not self.alive():
+            verdict = liveness.judge(self._seen(exits=True, cell=failures, targets=targets))
+            if verdict.action == liveness.GO_ON:
+                for r in verdict.lost:
+                    notify(sink, "lost", r, verdict.how[r])
+                self.set_members([r for r in range(self.size) if r not in verdict.lost])
+                sink.status(verdict.text)
+                return out
             raise self._death(failures, targets)
         if failures:
             raise PoolCellError(failures)
@@ -435,25 +443,17 @@ class Pool:
         return resize(self, n, sink)
 
     def _death(self, failures: List[RankFailure], targets: List[int]) -> RankDiedError:
-        """Name the ranks that ended and how (from mpiexec's log), stop the pool."""
+        """Stop the pool, naming the ranks that ended and how (:func:`.liveness.stop`)."""
         if self.mpiexec is not None and not self._unheard():
             try:
-                self.mpiexec.wait(2.0)
+                self.mpiexec.wait(2.0)      # let mpiexec log which rank ended and how
             except Exception:  # noqa: BLE001
                 pass
-        log = tail(os.path.join(self.config.workdir, "mpiexec.log"), 20000)
-        exits = parse_rank_exits(log)
-        what = self._why_ended()
-        ended = bool(exits) or self.mpiexec is None or self.mpiexec.poll() is not None
-        unheard = [] if ended else self._unheard()
-        self.ended = what
+        verdict = liveness.stop(self._seen(exits=True, cell=failures, targets=targets), failures)
+        log = self._log()
+        self.ended = verdict.ended
         self.stop()
-        dead = [RankFailure(e.rank, "died", "", e.how) for e in exits] or [
-            RankFailure(r, "died", "", what) for r in unheard] or [
-            f for f in failures if f.kind == "died"] or [RankFailure(targets[0], "died", "", what)]
-        note = ("the MPI job ended, so " if ended else "") + (
-            "the pool was stopped; the next %%hvd cell starts a new one")
-        err = RankDiedError(dead, note)
+        err = RankDiedError(list(verdict.failures), verdict.text)
         err.log = log  # type: ignore[attr-defined]
         return err
 
