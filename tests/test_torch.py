@@ -126,14 +126,6 @@ def test_digits_script_trains(tmp_path):
     assert saved["epoch"] == 9 and "model" in saved
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_allreduce_single_rank(one_rank):
-    torch.cuda.set_device(hvd.local_rank())
-    t = torch.ones(3, device="cuda")
-    assert torch.equal(hvd.allreduce(t, op=hvd.Sum).cpu(), torch.ones(3) * hvd.size())
-
-
 def test_bucket_partition():
     """Gradient buckets: reverse registration order, per dtype, sizes from HVD_MAGIC_BUCKET_BYTES."""
     from hvd_magic.torch.buckets import bucket_caps, make_buckets

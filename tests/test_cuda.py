@@ -1,0 +1,86 @@
+"""hvd_magic.torch on CUDA tensors: every collective and DistributedOptimizer at 1 rank
+(torch.distributed with NCCL) and at 2 ranks sharing one GPU (NCCL refuses two ranks on
+one device, so their tensors go through host memory), and the timeline of a GPU step.
+
+Marked ``gpu``: they skip where torch sees no CUDA GPU, as on this project's machines and
+in CI. ``benchmarks/gpu_check.sh`` runs them on a machine with one (``pytest -m gpu``).
+With ``HVD_GPU_CHECK_DEVICE=cpu`` the same checks run on CPU tensors (``gpu_check.sh
+--cpu``): a dry run of the worker script where there is no GPU, which checks nothing
+about CUDA. The workers are in tests/mpi/cuda_checks.py."""
+import json
+import os
+
+import pytest
+import torch
+
+import hvd_magic.torch as hvd
+from mpi_harness import mpirun
+
+DEVICE = os.environ.get("HVD_GPU_CHECK_DEVICE", "cuda")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
+                       reason="needs a CUDA GPU (torch.cuda.is_available() is False)"),
+]
+
+
+def checks(what, np_, env=None, args=()):
+    """Run tests/mpi/cuda_checks.py ``what`` at ``np_`` ranks; its ``CHECK ... ok`` lines."""
+    env = dict(env or {})
+    if DEVICE == "cpu" and np_ == 1:
+        env.setdefault("HOROVOD_CPU_OPERATIONS", "gloo")   # the code NCCL runs, on CPU tensors
+    proc = mpirun("cuda_checks.py", np_, what, "--device", DEVICE, *args, env=env, timeout=240)
+    return [line for line in proc.stdout.splitlines() if line.startswith("CHECK ")]
+
+
+COLLECTIVE_CHECKS = 6 * 3      # allreduce, grouped, allgather, broadcast, alltoall, reducescatter x dtypes
+
+
+def test_every_collective_at_1_rank_through_nccl():
+    """allreduce Sum/Average/Min/Max (out of place, in place, async, postscale), grouped
+    allreduce, allgather, broadcast, alltoall, reducescatter in float32, float16 and
+    bfloat16: right values, results on the input's device; torch.distributed's backend
+    for them is NCCL."""
+    ok = checks("collectives", 1)
+    assert len(ok) == COLLECTIVE_CHECKS + (DEVICE == "cuda"), ok
+
+
+def test_every_collective_at_2_ranks_sharing_the_gpu():
+    """The same at 2 ranks on one GPU, where NCCL cannot run: through host memory."""
+    assert len(checks("collectives", 2)) == COLLECTIVE_CHECKS
+
+
+@pytest.mark.parametrize("np_", [1, 2])
+def test_distributed_optimizer_trains_a_cnn_to_the_weights_of_one_process(np_):
+    """DistributedOptimizer (SGD with momentum) on a small CNN on the GPU, each rank on its
+    share of every batch, ends at the weights of one process trained on the whole batches."""
+    assert len(checks("optimizer", np_)) == 1
+
+
+def test_timeline_of_a_gpu_step(tmp_path):
+    """HOROVOD_TIMELINE during GPU training steps: a valid Chrome trace (a JSON array of
+    events) with the gradients' allreduce in it, named as in Horovod (NCCL_ALLREDUCE for
+    CUDA tensors)."""
+    path = tmp_path / "timeline.json"
+    assert len(checks("timeline", 1, env={"HOROVOD_TIMELINE": str(path)})) == 1
+    events = json.loads(path.read_text())
+    assert isinstance(events, list) and events
+    for ev in events:
+        assert {"ph", "pid"} <= set(ev), ev
+        assert ev["ph"] == "M" or isinstance(ev.get("ts"), (int, float)), ev
+    names = {ev.get("name") for ev in events if ev["ph"] != "M"}
+    reduce_names = {n for n in names if n and n.endswith("_ALLREDUCE")}
+    assert reduce_names, names
+    if DEVICE == "cuda":
+        assert reduce_names == {"NCCL_ALLREDUCE"}, names
+
+
+def test_cuda_allreduce_single_rank(one_rank):
+    """In this process, without mpiexec: a CUDA tensor's allreduce stays on its device."""
+    if DEVICE == "cuda":
+        torch.cuda.set_device(hvd.local_rank())
+    t = torch.ones(3, device=DEVICE)
+    out = hvd.allreduce(t, op=hvd.Sum)
+    assert out.device == t.device
+    assert torch.equal(out.cpu(), torch.ones(3) * hvd.size())
