@@ -82,6 +82,14 @@ _VARS = [
     Var("HVD_MAGIC_ELASTIC_MAX_NP", "int", None,
         "hvd.elastic.run grows the job to at most this many ranks when the host discovery "
         "script lists more slots (hvdrun --max-np sets it); unset: as many as the slots"),
+    Var("HVD_MAGIC_ELASTIC_RESET_LIMIT", "int", None,
+        "hvd.elastic.run ends the job with an error when it would reset (a lost or failed "
+        "rank, hosts updated) more than this many times (hvdrun --reset-limit sets it); "
+        "unset: no limit"),
+    Var("HVD_MAGIC_BLACKLIST_COOLDOWN_RANGE", "str", "",
+        "'MIN MAX' seconds: a host where a rank was lost or failed is left out of the host "
+        "discovery script's hosts for a cooldown between them, doubling with each failure "
+        "(hvdrun --blacklist-cooldown-range sets it); unset: for the rest of the job"),
     Var("HVD_MAGIC_HOST_DISCOVERY_SCRIPT", "str", "",
         "executable printing one 'host' or 'host:slots' line per available host; rank 0 runs "
         "it at commits (at most once a second) and the job grows or shrinks to the slots "

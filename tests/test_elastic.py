@@ -240,3 +240,41 @@ def test_hvdrun_plans_tcp_on_loopback_for_ranks_that_join_later(tmp_path):
     assert env["HVD_MAGIC_ELASTIC_MAX_NP"] == "3"
     with pytest.raises(ValueError, match="give --min-np too"):
         plan_launch(LaunchArgs(np=2, command=["x"], max_np=3), {}, "openmpi")
+
+
+@pytest.mark.parametrize("np_", [2, 3], ids=["np2", "np3"])
+def test_a_rank_whose_training_raises_leaves_and_the_others_finish(np_):
+    # Horovod: a worker's exception is that worker's failure; the others restore the last
+    # commit and go on, and the launcher ends with their result
+    proc = hvdrun(np_, 1, "0:5:1:raise")
+    out = proc.stdout + proc.stderr
+    assert proc.stdout.count("elastic OK") == np_ - 1 and "FAIL" not in out, out
+    assert re.search(rf"elastic: rank 1 failed: ValueError: bad batch; continuing on {np_ - 1} "
+                     r"rank\(s\) from commit \d+", out), out
+    assert 'raise ValueError("bad batch")' in proc.stderr, out     # its traceback
+    assert f"rank 1 failed (ValueError: bad batch) and leaves the job; {np_ - 1} rank(s) go on" \
+        in out, out
+    assert proc.returncode == 0, out
+
+
+def test_a_raising_rank_that_leaves_fewer_than_min_np_is_an_error_that_says_so():
+    proc = hvdrun(2, 2, "0:5:1:raise")
+    out = proc.stdout + proc.stderr
+    assert "elastic OK" not in out and proc.returncode != 0, out
+    assert ("rank 1 failed (ValueError: bad batch) and 1 rank(s) are left, fewer than the "
+            "minimum of 2 (hvdrun --min-np)") in out, out
+
+
+def test_a_state_attribute_named_like_the_runtime_s_bookkeeping_is_the_user_s():
+    # Horovod's ObjectState makes every keyword an attribute; the runtime counted commits in
+    # an attribute `commits`, so a user's own `commits` was reset to 0 and counted twice
+    from hvd_magic.torch.elastic import ObjectState
+    state = ObjectState(lambda obj: obj, lambda: 0, commits=5, generation="g", values=[1])
+    assert (state.commits, state.generation, state.values) == (5, "g", [1])
+    for _ in range(2):
+        state.commits += 1
+        state.commit()
+    assert state.commits == 7
+    state.commits = 100
+    state.restore()
+    assert state.commits == 7

@@ -35,10 +35,11 @@ import os
 import subprocess
 import sys
 import time
+import traceback
 from typing import Any, Callable, Dict, List, Optional
 
 from .. import config as env
-from .errors import HvdError, RankLostError
+from .errors import HvdError, RankLostError, rank_lost_error
 from .state import _state, shutdown, start
 
 #: Seconds between two runs of the host discovery script (Horovod's driver polls it as often).
@@ -61,9 +62,19 @@ def fault_tolerant() -> bool:
             and hasattr(MPI.Comm, "Shrink"))
 
 
-def shrink() -> tuple:
-    """After a lost rank, on every survivor: start the runtime again on the survivors.
-    Returns (the lost ranks, numbered as before, the new size)."""
+def shrink(failure: Optional[BaseException] = None) -> tuple:
+    """After a lost rank or a rank's exception in ``func``, on every rank still running:
+    start the runtime again on the ranks that go on. ``failure``: the exception this rank's
+    ``func`` raised (None: this rank saw another's loss or failure).
+
+    A rank that failed revokes the communicators, as a lost rank's death does, so the others'
+    collectives fail at once and every live rank meets here; the survivors then learn which
+    ranks failed and why, and those ranks leave. Returns (the lost ranks, numbered as before;
+    ``{rank: "Type: message"}`` of the ranks that failed; the number of ranks that go on).
+    Raises :class:`HvdError` on the ranks that go on when fewer than
+    ``HVD_MAGIC_ELASTIC_MIN_NP`` would; a rank that failed then returns with the size left,
+    and raises its own exception (see :func:`run_fn`)."""
+    from mpi4py import MPI
     st = _state
     eng, base = st.engine, st.comm
     for comm in [eng.comm, st.control] + [e.engine.comm for e in st.sets.values() if e.engine]:
@@ -71,9 +82,10 @@ def shrink() -> tuple:
             comm.Revoke()
         except Exception:  # noqa: BLE001 - already revoked or freed
             pass
-    eng.stopped.wait(10.0)
+    eng.shutdown(10.0)    # a live engine (this rank failed) meets the revoke and stops
     survivors = base.Shrink()
     st.engine = None
+    _skip_finalize_fence()
     n = survivors.Get_size()
     # the lost ranks are those the survivors' group lacks (Get_failed() can still be empty
     # here: a test saw "lost rank(s) ;" once in about 20 runs)
@@ -82,13 +94,40 @@ def shrink() -> tuple:
     group.Free()
     old_group.Free()
     lost = [r for r in range(base.Get_size()) if r not in kept]
+    said = survivors.allgather(None if failure is None else failure_text(failure))
+    old_ranks = sorted(kept)
+    failed = {old_ranks[i]: text for i, text in enumerate(said) if text is not None}
+    left = n - len(failed)
     min_np = env.get("HVD_MAGIC_ELASTIC_MIN_NP")
-    if n < min_np:
-        raise HvdError(f"rank(s) {', '.join(map(str, lost))} were lost and {n} rank(s) are left, "
+    if left < max(min_np, 1):
+        if failure is not None:
+            return lost, failed, left      # run_fn raises this rank's own exception
+        raise HvdError(f"{what_happened(lost, failed, past=True)} and {left} rank(s) are left, "
                        f"fewer than the minimum of {min_np} (hvdrun --min-np); stopping")
-    _restart(survivors)
-    _skip_finalize_fence()
-    return lost, n
+    going_on = survivors if not failed else survivors.Split(
+        MPI.UNDEFINED if failure is not None else 0, survivors.Get_rank())
+    if failure is not None:
+        return lost, failed, left          # this rank is out of the job
+    _restart(going_on)
+    return lost, failed, left
+
+
+def failure_text(exc: BaseException) -> str:
+    """How the other ranks name a rank's exception: ``"ValueError: bad batch"``."""
+    text = str(exc).strip().splitlines()
+    return type(exc).__name__ + (f": {text[0]}" if text else "")
+
+
+def what_happened(lost: List[int], failed: Dict[int, str], past: bool = False) -> str:
+    """``"lost rank(s) 2"``, ``"rank 1 failed: ValueError: bad batch"`` or both; with ``past``:
+    ``"rank(s) 2 were lost"`` and ``"rank 1 failed (ValueError: bad batch)"``."""
+    parts = []
+    if lost:
+        ranks = ", ".join(map(str, lost))
+        parts.append(f"rank(s) {ranks} were lost" if past else f"lost rank(s) {ranks}")
+    for rank, text in sorted(failed.items()):
+        parts.append(f"rank {rank} failed ({text})" if past else f"rank {rank} failed: {text}")
+    return ", ".join(parts) if past else "; ".join(parts)
 
 
 def _skip_finalize_fence() -> None:
@@ -259,15 +298,15 @@ class State:
         self._bcast_object = bcast_object
         self._rank = get_rank
         self._reset_callbacks: List[Callable[[], None]] = []
-        self.commits = 0
-        self._generation = _generation[0]
+        self._hvd_commits = 0
+        self._hvd_generation = _generation[0]
 
     def register_reset_callbacks(self, callbacks: List[Callable[[], None]]) -> None:
         """Functions to call after each reset (e.g. to scale the learning rate by size)."""
         self._reset_callbacks.extend(callbacks)
 
     def on_reset(self) -> None:
-        self._generation = _generation[0]
+        self._hvd_generation = _generation[0]
         self.reset()
         for callback in self._reset_callbacks:
             callback()
@@ -275,7 +314,7 @@ class State:
     def commit(self) -> None:
         """Save the state (a copy in host memory), then check for host changes."""
         self.save()
-        self.commits += 1
+        self._hvd_commits += 1
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
@@ -337,8 +376,25 @@ def _lost(exc: BaseException) -> bool:
     """Whether ``exc`` came of a lost rank: a RankLostError, or anything a framework made of
     one (TensorFlow re-raises errors of its host ops as its own) while the runtime died so."""
     eng = _state.engine
-    return isinstance(exc, RankLostError) or (
+    return isinstance(exc, RankLostError) or rank_lost_error(exc, "") is not None or (
         eng is not None and isinstance(eng.dead, RankLostError))
+
+
+def reset_limit_reached() -> bool:
+    """Whether the job was reset (a lost or failed rank, hosts updated) as many times as
+    ``HVD_MAGIC_ELASTIC_RESET_LIMIT`` (hvdrun ``--reset-limit``) allows: with limit N, N
+    resets happen and the next need for one ends the job, as in Horovod's elastic driver."""
+    limit = env.get("HVD_MAGIC_ELASTIC_RESET_LIMIT")
+    return limit is not None and _generation[0] >= limit
+
+
+def check_reset_limit(cause: BaseException) -> None:
+    """Raise :class:`HvdError` when the reset that ``cause`` asks for is past the limit."""
+    if reset_limit_reached():
+        raise HvdError(f"elastic: the job has been reset {_generation[0]} time(s), the most "
+                       f"hvdrun --reset-limit {env.get('HVD_MAGIC_ELASTIC_RESET_LIMIT')} allows, "
+                       f"and needs another ({cause}); stopping. Raise --reset-limit, or find "
+                       "why ranks keep failing") from cause
 
 
 def run_fn(func: Callable, reset: Callable[[], tuple]) -> Callable:
@@ -353,7 +409,7 @@ def run_fn(func: Callable, reset: Callable[[], tuple]) -> Callable:
         if _catching_up[0]:
             return None
         skip_sync = False
-        if getattr(state, "_generation", _generation[0]) != _generation[0]:
+        if getattr(state, "_hvd_generation", _generation[0]) != _generation[0]:
             state.on_reset()        # the pool was resized between two calls (%hvd resize)
         change: Optional[Dict[str, Any]] = None
         while True:
@@ -367,23 +423,60 @@ def run_fn(func: Callable, reset: Callable[[], tuple]) -> Callable:
                 t0 = time.time()
                 skip_sync = exc.skip_sync
                 want = getattr(exc, "size", None)   # None: raised by user code, no resize
+                if want is not None:
+                    check_reset_limit(exc)
                 joined, left = resize(want) if want is not None else (0, 0)
                 if want is not None and _state.rank == 0:
                     what = f"{joined} rank(s) joined" if joined else f"{left} rank(s) left"
                     sys.stderr.write(f"[hvd_magic] elastic: hosts updated, {what}; continuing on "
-                                     f"{_state.size} rank(s) from commit {state.commits}\n")
+                                     f"{_state.size} rank(s) from commit {state._hvd_commits}\n")
                 if want is not None:
-                    change = _note_change(t0, [], joined, left, state.commits)
-            except Exception as exc:  # noqa: BLE001 - a framework may wrap RankLostError
+                    change = _note_change(t0, [], joined, left, state._hvd_commits)
+            except HvdError as exc:
                 if not _lost(exc):
-                    raise
+                    raise     # the runtime's own errors (a mismatch, a stall) hit every rank
                 t0 = time.time()
+                check_reset_limit(exc)
                 state.restore()
                 skip_sync = False
-                lost, n = reset()
-                change = _note_change(t0, lost, 0, 0, state.commits)
-                if _state.rank == 0:
-                    sys.stderr.write(f"[hvd_magic] elastic: lost rank(s) {', '.join(map(str, lost))}"
-                                     f"; continuing on {n} rank(s) from commit {state.commits}\n")
+                change = _after_loss(state, reset, t0, None)
+            except Exception as exc:  # noqa: BLE001 - a framework may wrap RankLostError
+                t0 = time.time()
+                failure = None if _lost(exc) else exc
+                if failure is None:
+                    check_reset_limit(exc)
+                    state.restore()
+                elif reset_limit_reached():
+                    raise
+                skip_sync = False
+                change = _after_loss(state, reset, t0, failure)
             state.on_reset()
     return wrapper
+
+
+def _after_loss(state: State, reset: Callable, t0: float,
+                failure: Optional[BaseException]) -> Dict[str, Any]:
+    """In ``run``'s handler, after a lost rank or a rank's exception (``failure``, this
+    rank's own): start again on the ranks that go on. A rank that failed leaves the job (its
+    traceback and a line on its stderr, then ``SystemExit(0)``: Open MPI's mpiexec would end
+    the whole job for a non-zero exit, and Horovod's launcher ends with the survivors' result);
+    where too few ranks would be left, it raises its own exception instead."""
+    lost, failed, n = reset(failure)
+    if failure is not None:         # this rank is out of the job (run on n ranks or none)
+        if n < max(env.get("HVD_MAGIC_ELASTIC_MIN_NP"), 1):
+            raise failure
+        traceback.print_exception(type(failure), failure, failure.__traceback__)
+        sys.stderr.write(f"[hvd_magic] elastic: rank {_state.rank} failed "
+                         f"({failure_text(failure)}) and leaves the job; {n} rank(s) go on "
+                         "without it\n")
+        sys.stderr.flush()
+        raise SystemExit(0)
+    change = _note_change(t0, lost + sorted(failed), 0, 0, state._hvd_commits)
+    change["failed"] = dict(failed)
+    if _state.rank == 0:
+        sys.stderr.write(f"[hvd_magic] elastic: {what_happened(lost, failed)}; continuing on "
+                         f"{n} rank(s) from commit {state._hvd_commits}\n")
+    return change
+
+
+

@@ -30,14 +30,14 @@ class _VariablesState(ObjectState):
     def __init__(self, **kwargs: Any):
         super().__init__(lambda obj: broadcast_object(obj, root_rank=0, name="elastic.state"),
                          C.rank, **kwargs)
-        self._values: List[Any] = []
+        self._hvd_values: List[Any] = []
         self._save_vars()
 
     def _variables(self) -> List[Any]:
         raise NotImplementedError
 
     def _save_vars(self) -> None:
-        self._values = [v.numpy() for v in self._variables()]
+        self._hvd_values = [v.numpy() for v in self._variables()]
 
     def save(self) -> None:
         self._save_vars()
@@ -45,8 +45,8 @@ class _VariablesState(ObjectState):
 
     def restore(self) -> None:
         vs = self._variables()
-        if len(vs) == len(self._values):      # (none saved yet: a model built since)
-            for v, x in zip(vs, self._values):
+        if len(vs) == len(self._hvd_values):      # (none saved yet: a model built since)
+            for v, x in zip(vs, self._hvd_values):
                 v.assign(x)
         super().restore()
 

@@ -109,16 +109,16 @@ class TorchState(ObjectState):
 
     def __init__(self, model: Any = None, optimizer: Any = None, **kwargs: Any):
         self.model, self.optimizer = model, optimizer
-        self._stateful = {k: v for k, v in kwargs.items() if hasattr(v, "state_dict")}
-        for k, v in self._stateful.items():
+        self._hvd_stateful = {k: v for k, v in kwargs.items() if hasattr(v, "state_dict")}
+        for k, v in self._hvd_stateful.items():
             setattr(self, k, v)
-        plain = {k: v for k, v in kwargs.items() if k not in self._stateful}
+        plain = {k: v for k, v in kwargs.items() if k not in self._hvd_stateful}
         super().__init__(broadcast_object, C.rank, **plain)
-        self._saved_dicts: Dict[str, Any] = {}
+        self._hvd_saved_dicts: Dict[str, Any] = {}
         self._save_dicts()
 
     def _objects(self) -> Dict[str, Any]:
-        out = dict(self._stateful)
+        out = dict(self._hvd_stateful)
         if self.model is not None:
             out["model"] = self.model
         if self.optimizer is not None:
@@ -126,7 +126,7 @@ class TorchState(ObjectState):
         return out
 
     def _save_dicts(self) -> None:
-        self._saved_dicts = {k: copy.deepcopy(v.state_dict()) for k, v in self._objects().items()}
+        self._hvd_saved_dicts = {k: copy.deepcopy(v.state_dict()) for k, v in self._objects().items()}
 
     def save(self) -> None:
         self._save_dicts()
@@ -139,7 +139,7 @@ class TorchState(ObjectState):
             except C.HvdError:
                 pass
         for k, v in self._objects().items():
-            v.load_state_dict(copy.deepcopy(self._saved_dicts[k]))
+            v.load_state_dict(copy.deepcopy(self._hvd_saved_dicts[k]))
         super().restore()
 
     def sync(self) -> None:
@@ -147,12 +147,12 @@ class TorchState(ObjectState):
             broadcast_parameters(self.model.state_dict(), root_rank=0)
         if self.optimizer is not None:
             broadcast_optimizer_state(self.optimizer, root_rank=0)
-        for k, v in self._stateful.items():
+        for k, v in self._hvd_stateful.items():
             v.load_state_dict(broadcast_object(v.state_dict(), root_rank=0, name=f"elastic.{k}"))
         self._save_dicts()
         super().sync()
 
     def reset(self) -> None:
-        for v in self._stateful.values():
+        for v in self._hvd_stateful.values():
             if hasattr(v, "reset"):
                 v.reset()

@@ -4,8 +4,9 @@ one rank fewer and finish. Checked on rank 0 at the end: the epoch's samples wer
 trained exactly once in what was committed; the final weights equal one process replaying the
 same global batches; time from the kill to the first step after it.
 
-usage: elastic_torch.py [E:B:R,...]   (prints 'elastic OK' on each surviving rank)
-  each E:B:R: at epoch E, after B committed-or-not steps, the rank then numbered R is killed;
+usage: elastic_torch.py [E:B:R[:raise],...]   (prints 'elastic OK' on each surviving rank)
+  each E:B:R: at epoch E, after B committed-or-not steps, the rank then numbered R is killed
+  (with ":raise": its training function raises ValueError("bad batch") instead);
   default: 0:5:<last rank>"""
 import os
 import signal
@@ -20,7 +21,7 @@ from checklib import replay_fails
 hvd.init()
 N, BATCH, EPOCHS, COMMIT_EVERY = 96, 4, 2, 2
 world = hvd.size()
-KILLS = [tuple(map(int, k.split(":"))) for k in
+KILLS = [tuple(int(x) if x.isdigit() else x for x in k.split(":")) for k in
          (sys.argv[1] if len(sys.argv) > 1 else f"0:5:{world - 1}").split(",")]
 g = torch.Generator().manual_seed(0)
 X, W_true = torch.randn(N, 8, generator=g), torch.randn(8, 1, generator=g)
@@ -39,9 +40,11 @@ def train(state):
     while state.epoch < EPOCHS:
         idx = list(state.sampler)          # this rank's share of what the epoch has left
         for b in range(len(idx) // BATCH):
-            for i, (e, b_kill, r) in enumerate(KILLS):   # the i-th kill, at size world - i
+            for i, (e, b_kill, r, *how) in enumerate(KILLS):   # the i-th, at size world - i
                 if (state.epoch, state.batch, hvd.rank(), hvd.size()) == (e, b_kill, r, world - i):
                     print(f"KILL {time.time():.3f}", flush=True)
+                    if how == ["raise"]:
+                        raise ValueError("bad batch")
                     os.kill(os.getpid(), signal.SIGKILL)
             if "lost" in marks and "resumed" not in marks:
                 marks["resumed"] = time.time()
