@@ -278,3 +278,51 @@ def test_a_state_attribute_named_like_the_runtime_s_bookkeeping_is_the_user_s():
     state.commits = 100
     state.restore()
     assert state.commits == 7
+
+
+def test_a_failed_host_stays_out_of_discovery_for_its_cooldown():
+    from hvd_magic.collectives.elastic import Blacklist, check_cooldown_range, cooldown_seconds
+    # Horovod's driver: MIN * 2**failures + jitter * MIN, within [MIN, MAX]
+    assert cooldown_seconds((10, 100), 1, 0.5) == 25
+    assert cooldown_seconds((10, 100), 2, 0.0) == 40
+    assert cooldown_seconds((10, 100), 4, 0.0) == 100
+    with pytest.raises(ValueError, match="1 <= MIN <= MAX <= 3600"):
+        check_cooldown_range((0, 10))
+    with pytest.raises(ValueError, match="1 <= MIN <= MAX <= 3600"):
+        check_cooldown_range((5, 4000))
+    hosts = {"a": 2, "b": 2}
+    forever = Blacklist()                      # no range: out for the rest of the job
+    forever.add("b", now=0)
+    assert forever.usable(hosts, now=1e9) == {"a": 2}
+    cool = Blacklist((10, 100))
+    cool.add("b", now=0, jitter=0.0)           # out for 20 s
+    assert cool.usable(hosts, now=19.9) == {"a": 2}
+    assert cool.usable(hosts, now=20) == hosts
+    cool.add("b", now=15, jitter=0.0)          # a failure within the cooldown adds nothing
+    assert cool.usable(hosts, now=20) == hosts
+    cool.add("b", now=30, jitter=0.0)          # the second failure: 40 s
+    assert cool.usable(hosts, now=69) == {"a": 2} and cool.usable(hosts, now=70) == hosts
+
+
+def test_hvdrun_passes_the_reset_limit_and_cooldown_to_the_ranks():
+    from hvd_magic.runner.cli import build_parser, to_launch_args
+    from hvd_magic.runner.plan import plan_launch
+    parser = build_parser()
+    ns = parser.parse_args(["-np", "2", "--min-np", "1", "--reset-limit", "3",
+                            "--blacklist-cooldown-range", "15", "30", "python", "t.py"])
+    _argv, env = plan_launch(to_launch_args(ns, parser), {}, "openmpi")
+    assert env["HVD_MAGIC_ELASTIC_RESET_LIMIT"] == "3"
+    assert env["HVD_MAGIC_BLACKLIST_COOLDOWN_RANGE"] == "15 30"
+    for bad in (["--reset-limit", "1"], ["--min-np", "1", "--blacklist-cooldown-range", "0", "5"]):
+        with pytest.raises(SystemExit):
+            to_launch_args(parser.parse_args(["-np", "2", *bad, "python", "t.py"]), parser)
+
+
+def test_a_reset_past_the_reset_limit_ends_the_job_saying_so():
+    cmd = [HVDRUN, "-np", "3", "--min-np", "1", "--reset-limit", "1", sys.executable,
+           str(HERE / "mpi" / "elastic_torch.py"), "0:5:2,1:3:0"]
+    proc = run_job(cmd, mpi_env(), 120, "hvdrun")
+    out = proc.stdout + proc.stderr
+    assert "lost rank(s) 2; continuing on 2 rank(s)" in out, out     # the one reset allowed
+    assert proc.returncode != 0 and "elastic OK" not in out, out
+    assert "the job has been reset 1 time(s), the most hvdrun --reset-limit 1 allows" in out, out

@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import random
 import subprocess
 import sys
 import time
@@ -97,6 +98,7 @@ def shrink(failure: Optional[BaseException] = None) -> tuple:
     said = survivors.allgather(None if failure is None else failure_text(failure))
     old_ranks = sorted(kept)
     failed = {old_ranks[i]: text for i, text in enumerate(said) if text is not None}
+    _note_failed_hosts(lost + sorted(failed))
     left = n - len(failed)
     min_np = env.get("HVD_MAGIC_ELASTIC_MIN_NP")
     if left < max(min_np, 1):
@@ -227,6 +229,82 @@ def add_host_info(hosts: Dict[str, int]) -> str:
     return ",".join(f"{host}:{slots}" for host, slots in hosts.items() if slots > 0)
 
 
+#: Horovod's bounds on ``--blacklist-cooldown-range`` (seconds).
+COOLDOWN_LOWEST_S, COOLDOWN_HIGHEST_S = 1, 3600
+
+
+def check_cooldown_range(cooldown: tuple) -> None:
+    """ValueError unless ``(MIN, MAX)`` lies within Horovod's bounds, 1 s to an hour."""
+    low, high = cooldown
+    if not COOLDOWN_LOWEST_S <= low <= high <= COOLDOWN_HIGHEST_S:
+        raise ValueError(f"--blacklist-cooldown-range {low} {high}: must be MIN MAX seconds with "
+                         f"{COOLDOWN_LOWEST_S} <= MIN <= MAX <= {COOLDOWN_HIGHEST_S}")
+
+
+def cooldown_seconds(cooldown: tuple, failures: int, jitter: float) -> float:
+    """How long a host that failed for the ``failures``-th time stays out, as Horovod's
+    driver computes it: MIN * 2**failures plus ``jitter`` (0 to 1) times MIN, within
+    [MIN, MAX]."""
+    low, high = cooldown
+    return max(low, min(high, low * (1 << failures) + jitter * low))
+
+
+class Blacklist:
+    """Hosts where a rank was lost or failed: the host discovery script's hosts without them
+    decide the size the job grows or shrinks to. With no cooldown range a host stays out for
+    the rest of the job (Horovod's default); with one, until its cooldown has passed, and a
+    host that fails again waits twice as long (a failure during the cooldown adds nothing)."""
+
+    def __init__(self, cooldown: Optional[tuple] = None):
+        self.cooldown = cooldown
+        self.until: Dict[str, float] = {}
+        self.failures: Dict[str, int] = {}
+
+    def add(self, host: str, now: float, jitter: Optional[float] = None) -> None:
+        if self.until.get(host, float("-inf")) > now:
+            return
+        if self.cooldown is None:
+            self.until[host] = float("inf")
+            return
+        self.failures[host] = self.failures.get(host, 0) + 1
+        if jitter is None:     # the same on every rank (any may become rank 0)
+            jitter = random.Random(f"{host}:{self.failures[host]}").random()
+        self.until[host] = now + cooldown_seconds(self.cooldown, self.failures[host], jitter)
+
+    def usable(self, hosts: Dict[str, int], now: float) -> Dict[str, int]:
+        """``hosts`` ({host: slots}) without those still out at ``now``."""
+        return {h: n for h, n in hosts.items() if self.until.get(h, float("-inf")) <= now}
+
+
+def _cooldown_setting() -> Optional[tuple]:
+    text = env.get("HVD_MAGIC_BLACKLIST_COOLDOWN_RANGE").split()
+    return (int(text[0]), int(text[1])) if len(text) == 2 else None
+
+
+#: Every rank's record of the hosts that failed (the same on each: rank 0 may be lost), and
+#: the host each rank runs on (gathered at a commit once per generation, when a host
+#: discovery script is set): ``[generation, [host of rank 0, ...]]``.
+_blacklist: List[Blacklist] = []
+_rank_hosts: List[Any] = [-1, []]
+
+
+def _note_failed_hosts(ranks: List[int]) -> None:
+    """Blacklist the hosts of ``ranks`` (numbered as before the reset), where known."""
+    gen, hosts = _rank_hosts
+    if gen != _generation[0] or not hosts:
+        return
+    if not _blacklist:
+        _blacklist.append(Blacklist(_cooldown_setting()))
+    from mpi4py import MPI
+    here = MPI.Get_processor_name()
+    for r in ranks:
+        if r < len(hosts):
+            # a script for one machine names it localhost: the same host to this survivor
+            names = [hosts[r]] + (["localhost", "127.0.0.1"] if hosts[r] == here else [])
+            for name in names:
+                _blacklist[0].add(name, time.time())
+
+
 def _discover(script: str) -> Optional[int]:
     """Rank 0: the size the discovery script asks for now (None: not time to ask yet); the
     hosts it listed are kept for the spawn (:data:`_discovered`)."""
@@ -241,6 +319,8 @@ def _discover(script: str) -> Optional[int]:
         sys.stderr.write(f"[hvd_magic] elastic: host discovery script {script} failed ({exc}); "
                          "keeping the current size\n")
         return None
+    if _blacklist:
+        hosts = _blacklist[0].usable(hosts, time.time())
     _discovered[1] = hosts
     return target_size(_state.size, sum(hosts.values()), env.get("HVD_MAGIC_ELASTIC_MIN_NP"),
                        env.get("HVD_MAGIC_ELASTIC_MAX_NP"))
@@ -256,6 +336,9 @@ def host_update() -> Optional[int]:
     script = env.get("HVD_MAGIC_HOST_DISCOVERY_SCRIPT")
     if not script or _state.engine is None:
         return None
+    if _rank_hosts[0] != _generation[0]:
+        from mpi4py import MPI
+        _rank_hosts[:] = [_generation[0], _state.control.allgather(MPI.Get_processor_name())]
     want = _discover(script) if _state.rank == 0 else None
     want = _state.control.bcast(want, root=0)
     return None if want in (None, _state.size) else want

@@ -105,6 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-discovery-script", metavar="S",
                    help="elastic training: an executable printing 'host:slots' lines; the job "
                         "grows or shrinks to the slots at the next commit")
+    p.add_argument("--reset-limit", type=_nonneg(int, "N"), metavar="N",
+                   help="elastic training: maximum number of times that the training job can "
+                        "scale up or down the number of workers after which the job is "
+                        "terminated (default: None)")
+    p.add_argument("--blacklist-cooldown-range", type=int, nargs=2, metavar=("MIN", "MAX"),
+                   help="elastic training: range of seconds (min, max) a failing host will "
+                        "remain in blacklist (default: None: for the rest of the job)")
     p.add_argument("--autotune", action="store_true",
                    help="tune the fusion threshold and cycle time while training (HOROVOD_AUTOTUNE)")
     p.add_argument("--autotune-log-file", metavar="F",
@@ -160,6 +167,9 @@ def to_launch_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> L
                           stall_check_seconds=ns.stall_check_seconds,
                           cache_capacity=ns.cache_capacity, min_np=ns.min_np,
                           max_np=ns.max_np, host_discovery_script=ns.host_discovery_script,
+                          reset_limit=ns.reset_limit,
+                          blacklist_cooldown_range=(tuple(ns.blacklist_cooldown_range)
+                                                    if ns.blacklist_cooldown_range else None),
                           output_filename=ns.output_filename,
                           network_interface=ns.network_interface, verbose=ns.verbose,
                           oversubscribe=ns.oversubscribe, extra_env=autotune_env(vars(ns)))

@@ -66,6 +66,8 @@ class LaunchArgs:
     min_np: Optional[int] = None            # elastic: survive lost ranks down to this many
     max_np: Optional[int] = None            # elastic: grow to at most this many
     host_discovery_script: Optional[str] = None   # elastic: prints the hosts and slots there are
+    reset_limit: Optional[int] = None       # elastic: the job ends at the reset after this many
+    blacklist_cooldown_range: Optional[Tuple[int, int]] = None  # elastic: seconds a failed host waits
     network_interface: Optional[str] = None
     verbose: bool = False
     extra_env: Dict[str, str] = field(default_factory=dict)
@@ -168,6 +170,10 @@ def horovod_env(args: LaunchArgs) -> Dict[str, str]:
         env["HVD_MAGIC_ELASTIC_MIN_NP"] = str(args.min_np)
     if args.max_np is not None:
         env["HVD_MAGIC_ELASTIC_MAX_NP"] = str(args.max_np)
+    if args.reset_limit is not None:
+        env["HVD_MAGIC_ELASTIC_RESET_LIMIT"] = str(args.reset_limit)
+    if args.blacklist_cooldown_range is not None:
+        env["HVD_MAGIC_BLACKLIST_COOLDOWN_RANGE"] = " ".join(map(str, args.blacklist_cooldown_range))
     if args.host_discovery_script:
         env["HVD_MAGIC_HOST_DISCOVERY_SCRIPT"] = os.path.abspath(args.host_discovery_script)
     names = interface_names(args.network_interface or "")
@@ -228,9 +234,16 @@ def validate(args: LaunchArgs) -> None:
         raise ValueError(f"--min-np {args.min_np}: must be between 1 and -np ({args.np})")
     if args.max_np is not None and args.max_np < args.np:
         raise ValueError(f"--max-np {args.max_np}: must be at least -np ({args.np})")
-    if (args.max_np is not None or args.host_discovery_script) and args.min_np is None:
-        raise ValueError("--max-np and --host-discovery-script are for elastic training: give "
-                         "--min-np too (e.g. hvdrun -np 2 --min-np 1 --max-np 4 ...)")
+    if (args.max_np is not None or args.host_discovery_script or args.reset_limit is not None
+            or args.blacklist_cooldown_range is not None) and args.min_np is None:
+        raise ValueError("--max-np, --host-discovery-script, --reset-limit and "
+                         "--blacklist-cooldown-range are for elastic training: give --min-np too "
+                         "(e.g. hvdrun -np 2 --min-np 1 --max-np 4 ...)")
+    if args.reset_limit is not None and args.reset_limit < 0:
+        raise ValueError(f"--reset-limit {args.reset_limit}: must be a whole number >= 0")
+    if args.blacklist_cooldown_range is not None:
+        from ..collectives.elastic import check_cooldown_range
+        check_cooldown_range(args.blacklist_cooldown_range)
     script = args.host_discovery_script
     if script and not (os.path.isfile(script) and os.access(script, os.X_OK)):
         raise ValueError(f"--host-discovery-script {script}: not an executable file (chmod +x "
