@@ -25,12 +25,12 @@ pytestmark = [
 ]
 
 
-def checks(what, np_, env=None, args=()):
+def checks(what, np_, env=None, timeout=150):
     """Run tests/mpi/cuda_checks.py ``what`` at ``np_`` ranks; its ``CHECK ... ok`` lines."""
     env = dict(env or {})
     if DEVICE == "cpu" and np_ == 1:
         env.setdefault("HOROVOD_CPU_OPERATIONS", "gloo")   # the code NCCL runs, on CPU tensors
-    proc = mpirun("cuda_checks.py", np_, what, "--device", DEVICE, *args, env=env, timeout=240)
+    proc = mpirun("cuda_checks.py", np_, what, "--device", DEVICE, env=env, timeout=timeout)
     return [line for line in proc.stdout.splitlines() if line.startswith("CHECK ")]
 
 
@@ -46,16 +46,10 @@ def test_every_collective_at_1_rank_through_nccl():
     assert len(ok) == COLLECTIVE_CHECKS + (DEVICE == "cuda"), ok
 
 
-def test_every_collective_at_2_ranks_sharing_the_gpu():
-    """The same at 2 ranks on one GPU, where NCCL cannot run: through host memory."""
-    assert len(checks("collectives", 2)) == COLLECTIVE_CHECKS
-
-
-@pytest.mark.parametrize("np_", [1, 2])
-def test_distributed_optimizer_trains_a_cnn_to_the_weights_of_one_process(np_):
-    """DistributedOptimizer (SGD with momentum) on a small CNN on the GPU, each rank on its
-    share of every batch, ends at the weights of one process trained on the whole batches."""
-    assert len(checks("optimizer", np_)) == 1
+def test_distributed_optimizer_at_1_rank_through_nccl():
+    """DistributedOptimizer (SGD with momentum) training a small CNN on the GPU ends at the
+    weights of plain training on the same batches."""
+    assert len(checks("optimizer", 1)) == 1
 
 
 def test_timeline_of_a_gpu_step(tmp_path):
@@ -70,7 +64,7 @@ def test_timeline_of_a_gpu_step(tmp_path):
         assert {"ph", "pid"} <= set(ev), ev
         assert ev["ph"] == "M" or isinstance(ev.get("ts"), (int, float)), ev
     names = {ev.get("name") for ev in events if ev["ph"] != "M"}
-    reduce_names = {n for n in names if n and n.endswith("_ALLREDUCE")}
+    reduce_names = {n for n in names if n and n.endswith("_ALLREDUCE") and not n.startswith("NEGOTIATE_")}
     assert reduce_names, names
     if DEVICE == "cuda":
         assert reduce_names == {"NCCL_ALLREDUCE"}, names
@@ -84,3 +78,16 @@ def test_cuda_allreduce_single_rank(one_rank):
     out = hvd.allreduce(t, op=hvd.Sum)
     assert out.device == t.device
     assert torch.equal(out.cpu(), torch.ones(3) * hvd.size())
+
+
+# At 2 ranks last: where they fail by running out of time, the checks above have run.
+def test_every_collective_at_2_ranks_sharing_the_gpu():
+    """Every collective as at 1 rank, at 2 ranks on one GPU, where NCCL cannot run (it
+    refuses two ranks on one device): the tensors go through host memory."""
+    assert len(checks("collectives", 2, timeout=100)) == COLLECTIVE_CHECKS
+
+
+def test_distributed_optimizer_at_2_ranks_sharing_the_gpu():
+    """DistributedOptimizer at 2 ranks on one GPU, each on its half of every batch, ends at
+    the weights of one process trained on the whole batches."""
+    assert len(checks("optimizer", 2, timeout=100)) == 1
