@@ -215,6 +215,31 @@ def optimizer():
                 FAILS.append(f"parameter {name} moved to {a.device}")
             expect(f"parameter {name}", a.detach(), b.detach().cpu(), atol=1e-4)
 
+    @check(f"broadcast_optimizer_state of Adam at {N} rank(s)")
+    def _():
+        # Adam's state mixes CUDA tensors (exp_avg, exp_avg_sq) with a CPU one (step):
+        # rank 0 takes one step, the others none; afterwards every rank holds rank 0's state.
+        def adam(step):
+            model = make_cnn()
+            opt = torch.optim.Adam(model.parameters(), lr=0.01)
+            if step:
+                x = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(3))
+                model(x.to(DEV)).square().mean().backward()
+                opt.step()
+            return opt
+        opt, ref = adam(R == 0), adam(True)
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        got, want = opt.state_dict()["state"], ref.state_dict()["state"]
+        if sorted(got) != sorted(want):
+            FAILS.append(f"optimizer state of parameters {sorted(got)}, expected {sorted(want)}")
+        for pid in want:
+            for key, w in want[pid].items():
+                g = got.get(pid, {}).get(key)
+                if not isinstance(g, torch.Tensor) or g.device != w.device:
+                    FAILS.append(f"state[{pid}][{key!r}]: {g!r:.60}, expected a tensor on {w.device}")
+                elif not torch.allclose(g.cpu(), w.cpu(), atol=1e-6, rtol=0):
+                    FAILS.append(f"state[{pid}][{key!r}]: values differ from rank 0's")
+
 
 # ---------------------------------------------------------------- timeline
 def timeline():
