@@ -115,6 +115,20 @@ _VARS = [
         "0: one request per parameter"),
     Var("HVD_MAGIC_GRAD_VIEWS", "bool", True,
         "0: copy reduced gradients back instead of making p.grad a view into the bucket"),
+    # -- Horovod's per-worker variables: hvdrun sets them for each rank, as horovodrun does,
+    #    for scripts that read them; the runtime itself asks MPI
+    Var("HOROVOD_RANK", "int", None, "this rank's number (set by hvdrun for each rank)"),
+    Var("HOROVOD_SIZE", "int", None, "the number of ranks (set by hvdrun for each rank)"),
+    Var("HOROVOD_LOCAL_RANK", "int", None,
+        "this rank's number among the ranks on its host (set by hvdrun for each rank)"),
+    Var("HOROVOD_LOCAL_SIZE", "int", None,
+        "the number of ranks on this rank's host (set by hvdrun for each rank)"),
+    Var("HOROVOD_CROSS_RANK", "int", None,
+        "this rank's host among the hosts (set by hvdrun for each rank; for hosts with the "
+        "same number of ranks each: hvd.cross_rank() is exact for any layout)"),
+    Var("HOROVOD_CROSS_SIZE", "int", None,
+        "the number of hosts (set by hvdrun for each rank, as HOROVOD_CROSS_RANK)"),
+    Var("HOROVOD_HOSTNAME", "str", "", "this rank's host name (set by hvdrun for each rank)"),
     # -- launching: hvdrun, hvd_magic.run, the pool
     Var("HVD_MAGIC_NETNS", "bool", True,
         "0: single-host jobs and pools stay in the normal network namespace (otherwise "

@@ -465,3 +465,42 @@ def test_one_machine_holds_four_ranks_per_core_unless_oversubscribed():
     validate(LaunchArgs(np=9, command=["python", "x.py"], cores=2, oversubscribe=True))
     with pytest.raises(ValueError, match="only 2 slots.*--oversubscribe"):
         validate(LaunchArgs(np=3, command=["x"], hosts=parse_hosts("a:1,b:1"), cores=2))
+
+
+def test_each_rank_gets_horovod_s_per_worker_variables(tmp_path):
+    # horovodrun sets HOROVOD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE, _CROSS_RANK, _CROSS_SIZE
+    # and HOROVOD_HOSTNAME for each worker; scripts read them (e.g. to pick a device first)
+    import json
+    import socket
+    import sys
+    from pathlib import Path
+    from mpi_harness import mpi_env, run_job
+    script = tmp_path / "show.py"
+    script.write_text("import json, os\nprint(json.dumps({k: v for k, v in os.environ.items() "
+                      "if k.startswith('HOROVOD_')}), flush=True)\n")
+    hvdrun = str(Path(sys.executable).with_name("hvdrun"))
+    proc = run_job([hvdrun, "-np", "3", sys.executable, str(script)], mpi_env(), 120, "hvdrun")
+    seen = sorted((json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")),
+                  key=lambda e: int(e.get("HOROVOD_RANK", -1)))
+    assert [{k: e.get(k) for k in ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK",
+                                   "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK",
+                                   "HOROVOD_CROSS_SIZE")} for e in seen] == [
+        {"HOROVOD_RANK": str(r), "HOROVOD_SIZE": "3", "HOROVOD_LOCAL_RANK": str(r),
+         "HOROVOD_LOCAL_SIZE": "3", "HOROVOD_CROSS_RANK": "0", "HOROVOD_CROSS_SIZE": "1"}
+        for r in range(3)], proc.stdout + proc.stderr
+    assert {e.get("HOROVOD_HOSTNAME") for e in seen} == {socket.gethostname()}
+
+
+@pytest.mark.parametrize("given,expected", [
+    ({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8",
+      "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, "5 8 1 4 1 2"),
+    ({"PMI_RANK": "2", "PMI_SIZE": "3", "MPI_LOCALNRANKS": "3"}, "2 3 2 3 0 1"),
+], ids=["openmpi-2-hosts", "mpich"])
+def test_the_rank_prelude_sets_horovod_s_variables_from_mpiexec_s(given, expected):
+    import subprocess
+    from hvd_magic.runner.plan import rank_command
+    show = ('echo $HOROVOD_RANK $HOROVOD_SIZE $HOROVOD_LOCAL_RANK $HOROVOD_LOCAL_SIZE '
+            '$HOROVOD_CROSS_RANK $HOROVOD_CROSS_SIZE')
+    out = subprocess.run(rank_command(["sh", "-c", show]), env={"PATH": "/usr/bin:/bin", **given},
+                         capture_output=True, text=True, timeout=30).stdout
+    assert out.strip() == expected

@@ -261,6 +261,30 @@ def validate(args: LaunchArgs) -> None:
         check_local_size(args.np, args.cores, args.oversubscribe)
 
 
+#: What each rank runs before the command (``sh -c PRELUDE hvdrun-rank COMMAND...``): the
+#: variables Horovod's launcher sets for each worker, then ``exec`` of the command itself.
+#: The rank, size and ranks on this host come from mpiexec (Open MPI's OMPI_COMM_WORLD_*,
+#: else MPICH's PMI_RANK, PMI_SIZE, MPI_LOCALNRANKS); HOROVOD_HOSTNAME is the rank's host
+#: name. The local and cross ranks are Horovod's for hosts filled in order with the same
+#: number of ranks each (hvdrun's layout): Open MPI's own local rank follows its mapping,
+#: not the rank order Horovod and hvd.local_rank() use. hvd.local_rank(), hvd.cross_rank()
+#: and hvd.cross_size() are exact for any layout.
+RANK_ENV_PRELUDE = (
+    'export HOROVOD_RANK="${OMPI_COMM_WORLD_RANK:-$PMI_RANK}" '
+    'HOROVOD_SIZE="${OMPI_COMM_WORLD_SIZE:-$PMI_SIZE}" '
+    'HOROVOD_LOCAL_SIZE="${OMPI_COMM_WORLD_LOCAL_SIZE:-${MPI_LOCALNRANKS:-1}}" '
+    'HOROVOD_HOSTNAME="$(uname -n)"; '
+    'export HOROVOD_LOCAL_RANK=$((HOROVOD_RANK % HOROVOD_LOCAL_SIZE)) '
+    'HOROVOD_CROSS_RANK=$((HOROVOD_RANK / HOROVOD_LOCAL_SIZE)) '
+    'HOROVOD_CROSS_SIZE=$(((HOROVOD_SIZE + HOROVOD_LOCAL_SIZE - 1) / HOROVOD_LOCAL_SIZE)); '
+    'exec "$@"')
+
+
+def rank_command(command: Sequence[str]) -> List[str]:
+    """``command`` as each rank starts it, with Horovod's per-worker variables set."""
+    return ["sh", "-c", RANK_ENV_PRELUDE, "hvdrun-rank"] + list(command)
+
+
 def plan_launch(args: LaunchArgs, env: Mapping[str, str], mpi_impl: str, *,
                 mpiexec: str = "mpiexec", mpi_version: str = "", netns: bool = False,
                 local_names: FrozenSet[str] = LOCAL_NAMES,
@@ -344,7 +368,7 @@ def plan_launch(args: LaunchArgs, env: Mapping[str, str], mpi_impl: str, *,
             argv += ["-iface", args.network_interface.strip()]
         for name in forward:
             argv += ["-genv", name, out[name]]
-    argv += list(args.command)
+    argv += rank_command(args.command)
     if netns and single:
         argv = [python, "-m", "hvd_magic.runner.netns", "--"] + argv
     return argv, out
