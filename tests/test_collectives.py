@@ -82,3 +82,14 @@ def test_ctrl_c_during_an_inline_cycle_is_held_until_the_cycle_ends():
         assert not interrupts.HELD
     finally:
         signal.signal(signal.SIGINT, old)
+
+
+@NP
+def test_the_response_cache_announces_a_loop_by_bits_and_keeps_every_check(np_):
+    """A loop's steady state needs no full messages; orders, mismatches, the stall check,
+    join, shutdown, process sets and a full cache behave as without the cache."""
+    proc = mpirun("coll_cache.py", np_, timeout=180)
+    assert proc.stdout.count("done, 0 failures") == np_, proc.stdout + proc.stderr
+    assert re.search(r"\[hvd_magic rank 0\] WARNING: stall.*\n\s+allreduce of tensor 'slowc' has "
+                     rf"waited [\d.]+ s: submitted by rank\(s\) [\d, ]+, not yet by rank\(s\) "
+                     rf"{np_ - 1}\n", proc.stderr), proc.stderr

@@ -449,3 +449,59 @@ def test_the_engine_cycles_at_once_on_news_backs_off_while_polling_and_idles_to_
     assert next_cycle_in(False, True, 30, 2 * MAX_POLL_S, 1.0) == 0.0
     assert next_cycle_in(False, False, 3, 0.25, 1.0) == 0.75          # idle: the heartbeat
     assert next_cycle_in(False, False, 3, 0.25, None) is None         # no stall check: sleep
+
+
+# ---------------------------------------------------------------- response cache
+def test_response_cache_slots_are_the_same_on_every_rank_and_reused_lowest_first():
+    from hvd_magic.collectives.response_cache import ResponseCache
+    caches = [ResponseCache(cap=8) for _ in range(3)]      # three ranks, the same decisions
+    decided = [Response(n, "allreduce", dict.fromkeys(range(3), ar(n))) for n in "abc"]
+    for c in caches:
+        assert c.add(decided)
+    assert all(c.by_name == {"a": 0, "b": 1, "c": 2} for c in caches)
+    c = caches[0]
+    assert c.slot(ar("b")) == 1 and c.slot(ar("b", shape=(5,))) is None
+    assert c.stale(ar("b", shape=(5,))) == 1 and c.stale(ar("z")) is None
+    c.drop(1)
+    c.add([Response("d", "allreduce", dict.fromkeys(range(3), ar("d")))])
+    assert c.by_name == {"a": 0, "d": 1, "c": 2}
+    # the same decision again (a cycle cache hit) changes nothing
+    v = c.version
+    c.add([Response("d", "allreduce", dict.fromkeys(range(3), ar("d")))])
+    assert c.version == v
+
+
+def test_response_cache_keeps_only_what_every_rank_must_agree_on():
+    from hvd_magic.collectives.response_cache import ResponseCache
+    keeps = ResponseCache.keeps
+    every = dict.fromkeys(range(2), ar("x"))
+    assert keeps(Response("x", "allreduce", every))
+    assert keeps(Response("b", "broadcast", every)) and keeps(Response("r", "reducescatter", every))
+    assert not keeps(Response("g", "allgather", every))        # other ranks' rows may change
+    assert not keeps(Response("allreduce.noname.3", "allreduce", every))
+    assert not keeps(Response("x", "allreduce", every, error="mismatch"))
+    assert not keeps(Response("x", "allreduce", {0: ar("x")}, joined=frozenset({1})))
+
+
+def test_response_cache_vector_and_ready_requests():
+    """Each rank's vector: word 0 says it has nothing else to say, then one bit per slot;
+    after the AND the requests every rank submitted are ready, in slot order."""
+    from hvd_magic.collectives.response_cache import ResponseCache
+    c = ResponseCache(cap=200)
+    c.add([Response(f"t{i}", "allreduce", {0: ar(f"t{i}"), 1: ar(f"t{i}")}) for i in range(70)])
+    assert c.words() == 3                     # 70 slots: two words of bits, plus word 0
+    v0 = c.vector(True, {0: None, 3: None, 69: None})
+    v1 = c.vector(True, [3, 69, 5])
+    both = v0 & v1
+    assert c.quiet(both) and [s for s, _ in c.ready(both)] == [3, 69]
+    assert [r.name for _, r in c.ready(both)] == ["t3", "t69"]
+    assert not c.quiet(v0 & c.vector(False, []))        # one rank has more to say
+    assert c.words() == ResponseCache(cap=200).words() + 2     # (no rank count anywhere)
+
+
+def test_a_full_response_cache_starts_again():
+    from hvd_magic.collectives.response_cache import ResponseCache
+    c = ResponseCache(cap=2)
+    assert c.add([Response(n, "allreduce", {0: ar(n)}) for n in "ab"])
+    assert not c.add([Response("c", "allreduce", {0: ar("c")})])
+    assert c.by_name == {"c": 0}

@@ -197,7 +197,8 @@ class CycleCache:
         indexed, so no message is."""
         anns = wire.anns
         return (bool(anns) and (type(anns[0]) is int or len(anns[0]) == 3)
-                and not (wire.cancels or wire.join or wire.shutdown or wire.events or wire.tune)
+                and not (wire.cancels or wire.join or wire.shutdown or wire.events or wire.tune
+                     or wire.invalid)
                 and (len(anns) == 1 or all(type(a) is int or len(a) == 3 for a in anns)))
 
     def clear(self) -> None:

@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
+import numpy as np
 from mpi4py import MPI
 from _thread import allocate_lock as _allocate_lock
 from collections import deque
@@ -36,6 +37,7 @@ from .fusion import plan_fusion
 from .handles import Handle, LocalReq
 from .interrupts import defer_sigint, restore_sigint
 from .negotiation import _tuple_new, Ann, Negotiator, RankMsg
+from .response_cache import ResponseCache
 from .stall import StallCheck
 from .timeline import CYCLE, Timeline, TimelineWriter, now_us
 from .waiting import INLINE_SPIN_S, next_cycle_in, tight_timer_slack, wait_request
@@ -65,6 +67,14 @@ class Engine:
         self._codec_resets = 0
         self._sent: list = []        # the Anns of this rank's latest message
         self.cycle_cache = CycleCache(cap=min(256, config.cache_capacity))
+        # Requests carried out before are announced by a bit each (:mod:`.response_cache`);
+        # with HOROVOD_CACHE_CAPACITY=0 every cycle is the full messages' allgather alone.
+        self.cache = ResponseCache(config.cache_capacity) if config.cache_capacity > 0 else None
+        self._cached: dict = {}      # slot -> this rank's LocalReq announced by that bit
+        self._invalid: list = []     # slots to invalidate in the next message
+        self._demoted: set = set()   # slots this rank asked to invalidate (waited too long)
+        self._vec = None             # the bit vector's receive buffer, reused
+        self._plans: dict = {}       # (cache version, ready slots) -> fusion plan
         # The engine thread sleeps on ``_bell`` (a lock used as a doorbell: released = rung).
         # Plain locks are C-level and release the GIL while blocked, keeping hand-offs cheap.
         self._bell = _allocate_lock()
@@ -97,6 +107,7 @@ class Engine:
         self._empty_streak = 0
         self._in_cycle_since = 0.0
         self.cycles = 0
+        self.exchanges = 0           # cycles whose full messages were allgathered
         self.writer: Optional[TimelineWriter] = None
         self.executor = Executor(comm, config, timeline, self._inflight, self._cancelled,
                                  self._take, self._take_join, self.me, set_id)
@@ -256,7 +267,7 @@ class Engine:
 
     def _has_news(self) -> bool:
         return bool(self._new or self._cancels or self._join_announce or self._shutdown_announce
-                    or self._px is not None or self._inline_exc is not None)
+                    or self._invalid or self._px is not None or self._inline_exc is not None)
 
     def _await_reason(self) -> bool:
         """Block until there is a reason to negotiate (:func:`~.waiting.next_cycle_in`
@@ -265,7 +276,8 @@ class Engine:
         waited_from = time.monotonic()
         while True:
             news = self._has_news()
-            delay = next_cycle_in(news, self._join is not None or self.neg.waiting(self.rank),
+            delay = next_cycle_in(news, self._join is not None or bool(self._cached)
+                                  or self.neg.waiting(self.rank),
                                   self._empty_streak, time.monotonic() - waited_from,
                                   self.stall.heartbeat_s)
             if delay == 0.0:
@@ -283,12 +295,27 @@ class Engine:
         return True
 
     def _take_message(self) -> RankMsg:
-        """What this rank has to say in the next cycle (takes the queued news)."""
+        """What this rank has to say in the next cycle (takes the queued news); requests the
+        response cache holds go into ``_cached`` instead, to be announced by their bit."""
         self._urgent = False
         new = []
         pop = self._new.popleft
-        while self._new:
-            new.append(pop())
+        cache = self.cache
+        if cache is not None and cache.by_ann and not (self.neg.joined or self.neg.shut):
+            cached = self._cached
+            while self._new:
+                r = pop()
+                slot = cache.by_ann.get(r.ann)
+                if slot is not None:
+                    cached[slot] = r
+                    continue
+                stale = cache.stale(r.ann)
+                if stale is not None:      # same name, other metadata: every rank drops it
+                    self._invalid.append(stale)
+                new.append(r)
+        else:
+            while self._new:
+                new.append(pop())
         if self._cancels or self._join_announce:
             with self._mu:
                 cancels, self._cancels = tuple(self._cancels), []
@@ -299,7 +326,9 @@ class Engine:
         self._sent = anns = [r.ann for r in new]
         # (tuple.__new__: the namedtuple constructor's argument handling costs ~0.3 us)
         tune, self._tune_out = self._tune_out, ()
-        return _tuple_new(RankMsg, (self.codec.encode(anns), cancels, join, shut, self._events(), tune))
+        invalid, self._invalid = tuple(self._invalid), []
+        return _tuple_new(RankMsg, (self.codec.encode(anns), cancels, join, shut, self._events(),
+                                    tune, invalid))
 
     def _loop(self) -> None:
         lock = self._cycle_lock
@@ -351,34 +380,48 @@ class Engine:
             restore_sigint(deferred)
 
     def _after_exchange(self, msgs: Optional[list], key: Optional[tuple] = None,
-                        hit: Optional[tuple] = None) -> bool:
+                        hit: Optional[tuple] = None, ready: tuple = ()) -> bool:
         """Decide and carry out one cycle from every rank's message (or the decisions of
-        the same cycle seen before: ``hit``, with ``msgs`` None); True: shut down."""
+        the same cycle seen before: ``hit``; with ``msgs`` None then, or when no rank had
+        more than bits to say), plus the response cache's ``ready`` requests; True: shut
+        down."""
         t_cycle = now_us() if self.tl.active else 0.0
         self.cycles += 1
         now = time.monotonic()
-        if hit is not None:
-            responses, plan = hit[0], hit[1]
+        if msgs is None and hit is None:            # bits alone: the steady state
+            responses, plan = self._take_ready(ready)
         else:
-            if msgs[0].tune:       # rank 0's autotune setting: every rank applies it now
-                self.tune_status = autotune.apply(msgs[0].tune, self.cfg, self.tuner, now)
-                self.cycle_cache.clear()    # (its fusion plans were for the old threshold)
-            with self._table_lock:
-                keep = key is not None and not self.neg.busy
-                responses = self.neg.step(msgs, now)
-                keep = keep and not self.neg.busy
-            plan = (plan_fusion(responses, self.cfg.fusion_threshold, self._alone)
-                    if len(responses) != 1 else None)
-            if keep:
-                self.cycle_cache.put(key, responses, plan, self.codec.moves() if self.codec.moved else None,
-                                     msgs[self.rank].anns)
-            if self.writer is not None:
-                for m in msgs:
-                    if m.events:
-                        self.writer.write(list(m.events))
+            cached = self._take_ready(ready)[0]     # (before a slot can be invalidated)
+            if hit is not None:
+                responses, plan = hit[0], hit[1]
+            else:
+                if msgs[0].tune:       # rank 0's autotune setting: every rank applies it now
+                    self.tune_status = autotune.apply(msgs[0].tune, self.cfg, self.tuner, now)
+                    self.cycle_cache.clear()    # (its fusion plans were for the old threshold)
+                    self._plans.clear()
+                with self._table_lock:
+                    keep = key is not None and not self.neg.busy
+                    responses = self.neg.step(msgs, now)
+                    keep = keep and not self.neg.busy
+                plan = (plan_fusion(responses, self.cfg.fusion_threshold, self._alone)
+                        if len(responses) != 1 else None)
+                if keep:
+                    self.cycle_cache.put(key, responses, plan,
+                                         self.codec.moves() if self.codec.moved else None,
+                                         msgs[self.rank].anns)
+                if self.writer is not None:
+                    for m in msgs:
+                        if m.events:
+                            self.writer.write(list(m.events))
+            if self.cache is not None:
+                self._update_cache(msgs, responses)
+            if cached:
+                responses = cached + responses
+                plan = plan_fusion(responses, self.cfg.fusion_threshold, self._alone)
         if self.tl.active and self.tl.mark_cycles:
             self.tl.add("cycle", CYCLE, t_cycle, None, {"cycle": self.cycles})
-        news = hit is not None or any(m.anns or m.cancels or m.join or m.shutdown for m in msgs)
+        news = hit is not None or bool(ready) or (msgs is not None and any(
+            m.anns or m.cancels or m.join or m.shutdown for m in msgs))
         self._empty_streak = 0 if (news or responses) else self._empty_streak + 1
         stop = self._execute(responses, now, plan)
         if self.tuner is not None and self.tuner.active and not stop:
@@ -393,23 +436,86 @@ class Engine:
             self._stall_tick(now)
         return stop
 
+    def _take_ready(self, ready: tuple) -> tuple:
+        """The response cache's ready requests as (responses, fusion plan); this rank no
+        longer announces them."""
+        if not ready:
+            return [], []
+        cached = self._cached
+        for slot, _ in ready:
+            del cached[slot]
+            self._demoted.discard(slot)
+        self.cache.hits += len(ready)
+        responses = [resp for _, resp in ready]
+        if len(responses) == 1:
+            return responses, None
+        key = (self.cache.version, tuple(slot for slot, _ in ready))
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) > 64:
+                self._plans.clear()
+            plan = self._plans[key] = plan_fusion(responses, self.cfg.fusion_threshold,
+                                                  self._alone)
+        return responses, plan
+
+    def _update_cache(self, msgs: Optional[list], responses: list) -> None:
+        """After a negotiated cycle, alike on every rank: drop the slots some rank
+        invalidated, keep this cycle's decisions; a request of this rank whose slot went
+        (or every one, while a rank has joined or shut down) is announced in full next."""
+        cache = self.cache
+        invalid = sorted({s for m in msgs for s in m.invalid}) if msgs is not None else ()
+        for slot in invalid:
+            cache.drop(slot)
+        fresh = cache.add(responses)
+        cached = self._cached
+        if not cached or (fresh and not invalid and not self.neg.joined and not self.neg.shut):
+            return
+        slots = cache.slots
+        back = [s for s, r in cached.items() if not fresh or self.neg.joined or self.neg.shut
+                or s >= len(slots) or slots[s] is None or slots[s].first != r.ann]
+        for slot in sorted(back, reverse=True):
+            self._new.appendleft(cached.pop(slot))
+            self._demoted.discard(slot)
+
     # ------------------------------------------------------------------ negotiation
     def _post_exchange(self, msg: RankMsg) -> None:
-        """Start allgathering every rank's message (marshal-encoded plain tuples)."""
+        """Start the cycle: the allreduce of the response cache's bits (the full messages,
+        marshal-encoded plain tuples, follow only when some rank has more to say), or,
+        without a response cache, the allgather of the full messages."""
         data = marshal.dumps(tuple(msg))
         self._in_cycle_since = time.monotonic()
         # (the key and lookup of the cycle cache are skipped unless this message can be kept)
-        self._px = (self.wire.post(data), data, CycleCache.cacheable(msg))
+        cacheable = CycleCache.cacheable(msg)
+        if self.cache is None:
+            self._px = (self.wire.post(data), data, cacheable, None)
+            self.exchanges += 1
+            return
+        quiet = not (msg.anns or msg.cancels or msg.join or msg.shutdown or msg.events
+                     or msg.tune or msg.invalid)
+        vec = self.cache.vector(quiet, self._cached)
+        if self._vec is None or len(self._vec) != len(vec):
+            self._vec = np.empty_like(vec)
+        self._vec_sent = vec         # (MPI reads it until the request completes)
+        self._px = (self.comm.Iallreduce(vec, self._vec, op=MPI.BAND), data, cacheable, self._vec)
 
     def _finish_exchange(self, done: bool = False) -> tuple:
-        """Complete the posted exchange (``done``: its request is known to be complete):
-        (every rank's message in rank order, the cycle's cache key or None, the cached
-        decisions of the same cycle or None). On a cache hit nothing is decoded and the
-        messages are None."""
-        req, data, cacheable = self._px
+        """Complete the posted cycle (``done``: its request is known to be complete):
+        (every rank's message in rank order, the cycle's cache key or None, the cycle
+        cache's decisions of the same cycle or None, the ready requests of the response
+        cache as ``[(slot, Response)]``). On a cycle cache hit, or when no rank had more
+        than bits to say, nothing is decoded and the messages are None."""
+        req, data, cacheable, vec = self._px
         if not done:
             self._wait(req)
         self._px = None
+        ready = ()
+        if vec is not None:
+            ready = self.cache.ready(vec)
+            if self.cache.quiet(vec):
+                self._in_cycle_since = 0.0
+                return None, None, None, ready
+            self._wait(self.wire.post(data))
+            self.exchanges += 1
         # (a second round, for what did not fit in the slot, is never cached)
         wire, keyed = self.wire.received(data, cacheable, self._wait)
         key = None
@@ -425,22 +531,22 @@ class Engine:
                         if resp.kind != "allreduce":    # (their backends label from these)
                             resp.anns = {r: a._replace(name=name) for r, a in resp.anns.items()}
                 self._in_cycle_since = 0.0
-                return None, key, hit
+                return None, key, hit, ready
         out = []
         decode = self.codec.decode
         self.codec.begin()
         for r, buf in enumerate(wire):
-            anns, cancels, join, shut, events, tune = marshal.loads(buf)
-            if key is not None and not CycleCache.cacheable(RankMsg(anns, cancels, join, shut, events, tune)):
+            msg = RankMsg(*marshal.loads(buf))
+            if key is not None and not CycleCache.cacheable(msg):
                 key = None            # another rank's message cannot be kept
-            out.append(RankMsg(decode(r, anns), cancels, join, shut, events, tune))
+            out.append(msg._replace(anns=decode(r, msg.anns)))
         if self.codec.resets != self._codec_resets:
             # a table started again: the same index bytes may now mean other requests
             self._codec_resets = self.codec.resets
             self.cycle_cache.clear()
             key = None
         self._in_cycle_since = 0.0
-        return out, key, None
+        return out, key, None, ready
 
     def _wait(self, req: MPI.Request) -> None:
         wait_request(req, self._someone_waits, self._stall_tick)
@@ -470,6 +576,14 @@ class Engine:
         sc = self.stall
         if sc.heartbeat_s is None:
             return
+        if self._cached:
+            # a cached request that waits this long goes back to the full messages, so that
+            # the negotiation knows (and the stall check names) the ranks it waits for
+            late = now - sc.first / 2
+            for slot, r in self._cached.items():
+                if r.t_submit < late and slot not in self._demoted:
+                    self._demoted.add(slot)
+                    self._invalid.append(slot)
         since = self._in_cycle_since
         stuck = sc.stuck(now, since)
         if sc.warn_due(now, stuck):

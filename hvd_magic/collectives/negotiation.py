@@ -56,6 +56,7 @@ class RankMsg(NamedTuple):
     shutdown: bool = False          # this rank called shutdown()
     events: tuple = ()              # timeline events for rank 0's file
     tune: tuple = ()                # rank 0: an autotune setting every rank applies now
+    invalid: tuple = ()             # response-cache slots every rank drops (.response_cache)
 
 
 @dataclass(slots=True)

@@ -1,0 +1,134 @@
+"""The response cache: requests every rank has carried out before, each under a slot number
+every rank gives it alike, so that a training loop's steady state costs one small allreduce
+of bits per cycle whatever the number of ranks. Pure: no I/O, no threads.
+
+Every rank adds the same decisions in the same order (:meth:`ResponseCache.add` after each
+negotiated cycle), so slot ``i`` names the same request everywhere. A cycle then starts with
+one allreduce (bitwise AND) of a vector of 64-bit words (see :meth:`vector`)::
+
+    word 0      1 when this rank has nothing to say beyond its cached requests
+    word 1..    bit i set: this rank has submitted the request of slot i and waits for it
+
+After the AND, a set bit means every rank has submitted that request: it is ready, with the
+decision it had before (:meth:`ready`, in slot order). Word 0 is 0 when any rank has
+something else (a new or changed request, a join, a shutdown, a cancel, timeline events, an
+autotune setting, an invalidation): then the full messages follow (:mod:`.exchange`) and are
+negotiated as before. Example, 2 ranks, slots 0 ``grad.w`` and 1 ``grad.b``::
+
+    rank 0: [1, 0b11]   (both submitted)    rank 1: [1, 0b01]   (grad.w only)
+    AND:    [1, 0b01]   -> grad.w is ready on both; grad.b stays set on rank 0
+
+Only requests whose metadata every rank must share are kept (allreduce, reducescatter,
+broadcast, named): a rank's own metadata equal to the kept one then means every rank's is.
+A rank that submits a kept name with other metadata (another shape, dtype, op, ...), or
+whose cached request waits longer than half the stall check time (so that the stall check
+sees it and names the missing ranks), sends the slot as an invalidation: every rank drops
+it, and whoever still waits for that request announces it in full.
+"""
+from __future__ import annotations
+
+import heapq
+from typing import Optional
+
+import numpy as np
+
+from .negotiation import Ann, Response
+
+KEPT_KINDS = frozenset(("allreduce", "reducescatter", "broadcast"))
+
+
+class ResponseCache:
+    """Slot ``i`` -> a decision every rank made; at most ``cap`` slots in use."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.slots: list = []                  # slot -> Response (None: free)
+        self.by_ann: dict = {}                 # Ann -> slot
+        self.by_name: dict = {}                # name -> slot
+        self._free: list = []                  # free slots below len(slots), lowest first
+        self.version = 0                       # moves on every change (plans keyed by it)
+        self.hits = 0                          # requests carried out from the cache
+
+    @staticmethod
+    def keeps(resp: Response) -> bool:
+        """Whether every rank keeps this decision (depends on the decision alone)."""
+        return (resp.error is None and resp.kind in KEPT_KINDS and not resp.joined
+                and ".noname." not in resp.name)
+
+    def slot(self, ann: Ann) -> Optional[int]:
+        """The slot of exactly this request, or None."""
+        return self.by_ann.get(ann)
+
+    def stale(self, ann: Ann) -> Optional[int]:
+        """The slot of the same name kept with other metadata, or None."""
+        slot = self.by_name.get(ann.name)
+        return None if slot is None or self.slots[slot].first == ann else slot
+
+    def add(self, responses: list) -> bool:
+        """Keep the decisions of one negotiated cycle that every rank keeps. False when the
+        cache was full and started again: every slot was dropped (the caller's waiting
+        requests go back to the full messages), then these were added."""
+        fresh = True
+        for resp in responses:
+            if not self.keeps(resp) or resp.first in self.by_ann:
+                continue
+            old = self.by_name.get(resp.name)
+            if old is not None:
+                self.drop(old)
+            if len(self.by_name) >= self.cap:
+                self.clear()
+                fresh = False
+            slot = heapq.heappop(self._free) if self._free else len(self.slots)
+            if slot == len(self.slots):
+                self.slots.append(None)
+            self.slots[slot] = resp
+            self.by_ann[resp.first] = slot
+            self.by_name[resp.name] = slot
+            self.version += 1
+        return fresh
+
+    def drop(self, slot: int) -> None:
+        resp = self.slots[slot]
+        if resp is None:
+            return
+        self.slots[slot] = None
+        del self.by_ann[resp.first]
+        del self.by_name[resp.name]
+        heapq.heappush(self._free, slot)
+        self.version += 1
+
+    def clear(self) -> None:
+        self.slots, self.by_ann, self.by_name, self._free = [], {}, {}, []
+        self.version += 1
+
+    def words(self) -> int:
+        """Length of this cycle's vector: word 0 and one word per 64 slots in use."""
+        return 1 + (len(self.slots) + 63) // 64
+
+    def vector(self, quiet: bool, slots, out: Optional[np.ndarray] = None) -> np.ndarray:
+        """This rank's vector: ``quiet`` (nothing to say beyond ``slots``, the slots of its
+        waiting cached requests)."""
+        n = self.words()
+        vec = out if out is not None and len(out) == n else np.empty(n, dtype=np.uint64)
+        bits = 0
+        for s in slots:
+            bits |= 1 << s
+        vec[0] = 1 if quiet else 0
+        vec[1:] = np.frombuffer(bits.to_bytes(8 * (n - 1), "little"), dtype=np.uint64)
+        return vec
+
+    @staticmethod
+    def quiet(vec: np.ndarray) -> bool:
+        """After the AND: no rank has anything beyond its cached requests to say."""
+        return bool(vec[0])
+
+    def ready(self, vec: np.ndarray) -> list:
+        """After the AND: ``[(slot, Response)]`` of the requests every rank submitted."""
+        bits = int.from_bytes(vec[1:].tobytes(), "little")
+        out = []
+        while bits:
+            low = bits & -bits
+            slot = low.bit_length() - 1
+            out.append((slot, self.slots[slot]))
+            bits ^= low
+        return out
