@@ -125,19 +125,28 @@ timeout -k 10 230 "$PY" -m pytest -m gpu -v -p no:cacheprovider --junitxml="$LOG
 rc=$?
 # One line per test, from the JUnit file: a failure shows the worker's first FAIL line (the
 # check and what it found), else the first line of what was raised.
-lines=$("$PY" - "$LOGS/pytest.xml" <<'EOF'
+lines=$("$PY" - "$LOGS/pytest.xml" "$LOGS/pytest.log" <<'EOF'
+import re
 import sys
 import xml.etree.ElementTree as ET
 try:
     cases = list(ET.parse(sys.argv[1]).getroot().iter("testcase"))
 except (OSError, ET.ParseError):
+    # pytest was stopped before writing the file: the tests its log shows as finished
     cases = []
+    with open(sys.argv[2], errors="replace") as log:
+        for m in re.finditer(r"^tests/test_cuda\.py::(\S+) (PASSED|FAILED|ERROR|SKIPPED)", log.read(), re.M):
+            print(f"PASS {m[1]}" if m[2] == "PASSED" else f"FAIL {m[1]}: {m[2]} (see the log)")
 for case in cases:
     bad = case.find("failure")
     bad = case.find("error") if bad is None else bad
     skip = case.find("skipped")
     if bad is not None:
-        found = [ln[ln.index("[rank"):] for ln in (bad.text or "").splitlines() if "] FAIL " in ln]
+        text = (bad.text or "").splitlines()
+        found = [ln[ln.index("[rank"):] for ln in text if "] FAIL " in ln]
+        # else the last exception a rank printed (not the harness's "exited 1")
+        found = found or [ln[1:].strip() for ln in text if re.match(r"E\s+[\w.]*(Error|Exception)\b", ln)
+                          and not ln[1:].strip().startswith("AssertionError: cuda_checks.py")][-1:]
         why = found[0] if found else ((bad.get("message") or "?").splitlines() or ["?"])[0]
         print(f"FAIL {case.get('name')}: {why[:300]}")
     elif skip is not None:
