@@ -1,12 +1,13 @@
 """CUDA tensors through hvd_magic.torch, run by tests/test_cuda.py and benchmarks/gpu_check.sh.
 
-    cuda_checks.py collectives|optimizer|timeline [--device cuda|cpu] [--timeline PATH]
+    cuda_checks.py collectives|optimizer|timeline [--device cuda|cpu]
 
 ``collectives``: allreduce (Sum, Average, Min, Max; out of place, in place, async), grouped
 allreduce, allgather, broadcast, alltoall and reducescatter in float32, float16 and bfloat16;
 every result must hold the expected values and stay on the input tensor's device.
 ``optimizer``: DistributedOptimizer trains a small CNN, each rank on its share of every
-batch, to the weights one process reaches on the whole batches.
+batch, to the weights one process reaches on the whole batches; broadcast_optimizer_state
+gives every rank rank 0's Adam state (CUDA tensors and a CPU step count).
 ``timeline``: a few training steps with ``HOROVOD_TIMELINE`` set by the caller; the test
 reads the file afterwards.
 
