@@ -48,7 +48,8 @@ _VARS = [
     Var("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "float", 0.0,
         "stalled requests fail on every rank with StallError after this long (0: never)"),
     Var("HOROVOD_TIMELINE", "str", "", "Chrome-trace timeline file written by rank 0 from "
-        "hvd.init(); DYNAMIC: none until hvd.start_timeline(path), as in Horovod"),
+        "hvd.init() on, while the job runs; DYNAMIC: none until hvd.start_timeline(path), "
+        "as in Horovod"),
     Var("HOROVOD_TIMELINE_MARK_CYCLES", "bool", False,
         "1 marks every negotiation cycle in the timeline"),
     Var("HOROVOD_DYNAMIC_PROCESS_SETS", "bool", False,

@@ -60,8 +60,9 @@ class Engine:
         self.noname: dict = {}       # a process set's counters of unnamed calls, per kind
         self.me = ranks[self.rank] if ranks else self.rank     # this rank as messages name it
         self.where = f" in process set {set_id}" if set_id else ""
-        # (timeline events travel to rank 0's file with the global set's cycles only)
-        self._events = timeline.take if set_id == 0 else tuple
+        # (timeline events travel to rank 0's file with the global set's cycles only; rank 0
+        # hands its own to the writer after each cycle)
+        self._events = timeline.take if set_id == 0 and self.rank != 0 else tuple
         self.neg = Negotiator(self.size, ranks if set_id else None)
         self.codec = AnnCodec(self.size, self.rank, cap=config.cache_capacity)
         self._codec_resets = 0
@@ -430,6 +431,8 @@ class Engine:
                 self._tune_out = autotune.message(setting, self.tuner)
         if self.tl.active:
             self.tl.publish()
+        if self.writer is not None:
+            self.writer.write(self.tl.take())
         now = time.monotonic()
         if now >= self._next_tick:
             self._next_tick = now + 0.2

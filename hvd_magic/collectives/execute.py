@@ -18,7 +18,7 @@ from .errors import HvdError, JoinedRankError, ShutdownError, StallError, Tensor
 from .fusion import Bucket
 from .handles import Handle, LocalReq
 from .negotiation import Response
-from .timeline import NEGOTIATE, QUEUE, Timeline, now_us
+from .timeline import NEGOTIATE, QUEUE, Timeline, now_us, request_args
 
 _ERRORS = {"mismatch": TensorMismatchError, "stall": StallError,
            "joined": JoinedRankError, "shutdown": ShutdownError}
@@ -130,7 +130,8 @@ class Executor:
             if req is None:
                 continue
             start = t - (mono - req.t_submit) * 1e6
-            self.tl.add(ann.name, NEGOTIATE, start, (decided - req.t_submit) * 1e6)
+            self.tl.add(ann.name, NEGOTIATE, start, (decided - req.t_submit) * 1e6,
+                        request_args(ann))
             self.tl.add(ann.name, QUEUE, t - (mono - decided) * 1e6, (mono - decided) * 1e6)
 
     def _execute_one(self, resp: Response, decided: float) -> bool:

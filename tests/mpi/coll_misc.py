@@ -345,7 +345,21 @@ def load_timeline(path):
 
 
 def xevents(events, phase=None):
-    return [e for e in events if e.get("ph") == "X" and (phase is None or e["name"] == phase)]
+    """The spans of a timeline file (Horovod's layout: a process row per tensor, a thread row
+    per rank, begin/end pairs) as dicts: name, ts, dur, rank, row (the tensor's row name),
+    args; ``phase``: only spans of that name."""
+    rows = {e["pid"]: e["args"]["name"] for e in events
+            if e.get("ph") == "M" and e.get("name") == "process_name" and e["pid"] != 0}
+    open_, out = {}, []
+    for e in events:
+        if e.get("ph") == "B":
+            open_.setdefault((e["pid"], e["tid"]), []).append(e)
+        elif e.get("ph") == "E":
+            b = open_[(e["pid"], e["tid"])].pop()
+            if phase is None or b["name"] == phase:
+                out.append({"name": b["name"], "ts": b["ts"], "dur": e["ts"] - b["ts"],
+                            "rank": b["tid"], "row": rows[b["pid"]], "args": b.get("args", {})})
+    return out
 
 
 def fusion_batch(tag, count=32, elems=2048):
@@ -377,16 +391,17 @@ def _():
         covered = {t for e in ars for t in e.get("args", {}).get("tensors", [])}
         check(set(names) <= covered, f"tensors missing from MPI_ALLREDUCE events: {set(names) - covered}")
         phases = {e["name"] for e in xevents(ev)}
-        for p in ("NEGOTIATE", "QUEUE", "MPI_ALLREDUCE", "MEMCPY_IN_FUSION_BUFFER",
-                  "MEMCPY_OUT_FUSION_BUFFER"):
+        for p in ("NEGOTIATE_ALLREDUCE", "ALLREDUCE", "QUEUE", "MPI_ALLREDUCE",
+                  "MEMCPY_IN_FUSION_BUFFER", "MEMCPY_OUT_FUSION_BUFFER"):
             check(p in phases, f"phase {p} missing (have {sorted(phases)})")
-        pids = {e["pid"] for e in xevents(ev)}
-        check(pids == set(range(n)), f"pids {pids} != ranks")
+        ranks = {e["rank"] for e in xevents(ev)}
+        check(ranks == set(range(n)), f"rank rows {ranks} != ranks")
         for k in range(n):
-            kp = {e["name"] for e in xevents(ev) if e["pid"] == k}
-            check({"NEGOTIATE", "QUEUE", "MPI_ALLREDUCE"} <= kp, f"rank {k} phases {kp}")
-        meta = {e["pid"] for e in ev if e.get("name") == "process_name"}
-        check(meta == set(range(n)), f"process_name rows {meta}")
+            kp = {e["name"] for e in xevents(ev) if e["rank"] == k}
+            check({"NEGOTIATE_ALLREDUCE", "ALLREDUCE", "QUEUE", "MPI_ALLREDUCE"} <= kp,
+                  f"rank {k} phases {kp}")
+        rows = {e["args"]["name"] for e in ev if e.get("name") == "process_name" and e["pid"]}
+        check({f"allreduce.{t}" for t in names} <= rows, f"tensor rows {sorted(rows)[:10]}")
     # recording is off after stop: a second start/stop gives a fresh valid file
     path2 = os.path.join(TMP, "fusion2.json")
     hvd.start_timeline(path2)
@@ -394,9 +409,9 @@ def _():
     hvd.stop_timeline()
     if r == 0:
         ev = load_timeline(path2)
-        cats = {e.get("cat") for e in xevents(ev)}
-        check("after restart" in cats and not any(c and c.startswith("fuse") for c in cats),
-              f"second timeline has {sorted(c for c in cats if c)[:10]}")
+        rows = {e["row"] for e in xevents(ev)}
+        check("allreduce.after restart" in rows and not any("fuse" in c for c in rows),
+              f"second timeline has {sorted(rows)[:10]}")
 
 
 @section("subscribe")
@@ -505,7 +520,7 @@ def _():
         counts = [len(e.get("args", {}).get("tensors", [])) for e in ars]
         check(ars and all(c == 1 for c in counts), f"threshold 0 tensors per call: {counts}")
         for k in range(n):
-            mine = {e["args"]["tensors"][0] for e in ars if e["pid"] == k}
+            mine = {e["args"]["tensors"][0] for e in ars if e["rank"] == k}
             check(set(names) <= mine, f"rank {k}: calls for {len(mine)} tensors, want {len(names)}")
     hvd.shutdown()
     with_env(HOROVOD_FUSION_THRESHOLD=None)
@@ -579,7 +594,7 @@ def _():
         check(np.allclose(t, (n - 1) / 2 + i) if i % 2 else np.allclose(t, r + i), f"input {i} after")
     if r == 0:
         calls = [e["args"]["tensors"] for e in xevents(load_timeline(path), "MPI_ALLREDUCE")
-                 if e["pid"] == 0]
+                 if e["rank"] == 0]
         for i in (1, 3, 5):
             check([f"mix{i}"] in calls, f"mix{i} not alone in one call: {calls}")
     hvd.shutdown()
@@ -599,13 +614,16 @@ def _():
     if r == 0:
         ev = load_timeline(path)
         phases = {e["name"] for e in xevents(ev)}
-        for p in ("NEGOTIATE", "QUEUE", "MPI_ALLREDUCE", "MPI_ALLGATHER", "MPI_BCAST"):
+        for p in ("NEGOTIATE_ALLREDUCE", "QUEUE", "MPI_ALLREDUCE", "NEGOTIATE_ALLGATHER",
+                  "ALLGATHER", "MPI_ALLGATHER", "NEGOTIATE_BROADCAST", "BROADCAST", "MPI_BCAST"):
             check(p in phases, f"phase {p} missing (have {sorted(phases)})")
-        pids = {e["pid"] for e in xevents(ev)}
-        check(pids == set(range(n)), f"pids {pids}")
+        ranks = {e["rank"] for e in xevents(ev)}
+        check(ranks == set(range(n)), f"rank rows {ranks}")
         for k in range(n):
-            kp = {e["name"] for e in xevents(ev) if e["pid"] == k}
-            check({"NEGOTIATE", "QUEUE", "MPI_ALLREDUCE"} <= kp, f"rank {k} phases {kp}")
+            kp = {e["name"] for e in xevents(ev) if e["rank"] == k}
+            check({"NEGOTIATE_ALLREDUCE", "QUEUE", "MPI_ALLREDUCE"} <= kp, f"rank {k} phases {kp}")
+        rows = {e["row"] for e in xevents(ev)}
+        check({"allgather.envtl.gather", "broadcast.envtl.bcast"} <= rows, f"rows {sorted(rows)}")
         for e in xevents(ev):
             check(isinstance(e["ts"], (int, float)) and e["dur"] >= 0, f"bad event {e}")
             break
