@@ -109,7 +109,7 @@ class _DistributedOptimizer:
         if self._agg_helper is not None:
             return self._agg_helper.compute_gradients(grads, vars)
         return reduce_with_locals(self._hvd_reducer.reduce, grads, vars, self._local_vars,
-                                  self.scale_local_gradients, self._hvd_reducer.size())
+                                  self.scale_local_gradients, self._hvd_reducer.size_when_run)
 
     def compute_gradients(self, loss: Any, var_list: Any, tape: Any = None) -> list:
         """``[(reduced gradient, variable), ...]`` of ``loss`` (a tensor recorded on ``tape``,

@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from hvd_magic.collectives import TensorMismatchError
+from hvd_magic.collectives.elastic import fault_tolerant
 
 from ._compat import import_tf
 
@@ -52,6 +53,28 @@ class ArgumentError(tf.errors.InvalidArgumentError, ValueError):
         self = Exception.__new__(cls, message)
         tf.errors.InvalidArgumentError.__init__(self, None, None, message)
         return self
+
+
+def read_when_run(read: Callable[[], int], name: Optional[str] = None) -> Any:
+    """``read()`` (the size, a rank, ...) where a traced function must see its value when it
+    runs: in an elastic job (MPI fault tolerance on), inside a graph, an int32 scalar tensor
+    that calls ``read`` each time the graph runs, as Horovod's ``size_op`` does; the job may
+    have grown or shrunk since the graph was traced. Otherwise (eagerly, or a job whose size
+    never changes) the int itself.
+
+    Example, a tf.function traced on 1 rank of an elastic job that then grew to 2: the value
+    is 2 in its later runs (a plain ``hvd.size()`` in it stays 1)."""
+    if tf.executing_eagerly() or not fault_tolerant():
+        return read()
+    out = tf.numpy_function(lambda: np.int32(read()), [], tf.int32, stateful=True,
+                            name=name or "hvd_read")
+    out.set_shape([])
+    return out
+
+
+def is_static(value: Any) -> bool:
+    """Whether ``value`` from :func:`read_when_run` is a plain int (known when traced)."""
+    return isinstance(value, (int, np.integer))
 
 
 def _in_xla() -> bool:

@@ -18,8 +18,9 @@ from hvd_magic.collectives.process_sets import engine_of
 
 from ._compat import import_tf
 from .compression import Compression, Compressor, check_compression
-from ._bridge import host_call, movable
-from .mpi_ops import _check_grad_op, _grouped, _my_rows, _own_rows, _place, _tensor
+from ._bridge import host_call, is_static, movable, read_when_run
+from .mpi_ops import (_check_grad_op, _grouped, _my_rows, _own_rows, _place, place_when_run,
+                      _tensor, scale_like_horovod)
 
 tf = import_tf()
 _plain = tf.autograph.experimental.do_not_convert
@@ -55,7 +56,7 @@ def grouped_allgather(tensors: Sequence[Any], name: Optional[str] = None,
     xs = _dense_list(tensors, "grouped_allgather")
     if not xs:
         raise ValueError("grouped_allgather got an empty list; pass at least one tensor")
-    r, _ = _place(process_set)
+    r, _ = place_when_run(process_set)
     k, scalars = len(xs), [x.shape.rank == 0 for x in xs]
 
     def host(*arrays: Any) -> list:
@@ -107,7 +108,7 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
 
 def _grouped_reducescatter(xs: list, name: Optional[str], op: Any, pre: float, post: float,
                            ps: ProcessSet) -> list:
-    r, n = _place(ps)
+    r, n = place_when_run(ps)
 
     @tf.custom_gradient
     def f(*ts: Any) -> Any:
@@ -119,8 +120,7 @@ def _grouped_reducescatter(xs: list, name: Optional[str], op: Any, pre: float, p
         def grad(*dys: Any) -> Any:
             _check_grad_op(op, "grouped_reducescatter")
             gs = grouped_allgather([tf.convert_to_tensor(d) for d in dys], process_set=ps)
-            scale = pre * post * (n if op != Average else 1)   # as Horovod scales it
-            return [g * tf.cast(scale, g.dtype) if scale != 1.0 else g for g in gs]
+            return [scale_like_horovod(g, op, pre, post, n) for g in gs]
         return outs, grad
     return list(f(*xs))
 
@@ -166,9 +166,16 @@ def _packed_broadcast(arrays: list, root_rank: int, name: str, ps: ProcessSet) -
 
 
 def _broadcast_values(vs: list, root_rank: int, name: Optional[str], ps: ProcessSet, kind: str) -> list:
-    """The root's values of ``vs`` (tensors; one host call, one broadcast per dtype)."""
-    base = C.api.request_name(kind, name, engine_of(ps))
-    return host_call(lambda *a: _packed_broadcast(list(a), root_rank, base, ps),
+    """The root's values of ``vs`` (tensors; one host call, one broadcast per dtype). An
+    unnamed call takes its name when it runs, not when a graph is traced: every run of a
+    traced function then numbers its broadcasts as the other ranks do, a rank that joined an
+    elastic job since included."""
+    engine_of(ps)    # ValueError now for a set this rank is not in
+
+    def run(*arrays: Any) -> list:
+        base = C.api.request_name(kind, name, engine_of(ps))
+        return _packed_broadcast(list(arrays), root_rank, base, ps)
+    return host_call(run,
                      [v.read_value() for v in vs], [v.dtype for v in vs], [v.shape for v in vs], kind)
 
 
@@ -280,8 +287,9 @@ def allgather_object(obj: Any, session: Any = None, name: Optional[str] = None,
 
 # ---------------------------------------------------------------- rank and size as tensors
 
-def _int_op(value: int, name: Optional[str]) -> Any:
-    return tf.constant(value, dtype=tf.int32, name=name)
+def _int_op(read: Callable[[], int], name: Optional[str]) -> Any:
+    value = read_when_run(read, name)
+    return tf.constant(value, dtype=tf.int32, name=name) if is_static(value) else value
 
 
 def _registered(process_set_id: Any, fn: str) -> ProcessSet:
@@ -304,13 +312,15 @@ def _registered(process_set_id: Any, fn: str) -> ProcessSet:
 
 def size_op(process_set_id: int = 0, name: Optional[str] = None) -> Any:
     """The number of ranks (of the process set with id ``process_set_id``) as an int32 scalar
-    tensor. Its value is taken when the op is made (inside ``tf.function``: when it is traced).
+    tensor. In an elastic job, inside ``tf.function`` or a TF1 graph, it is read each time the
+    op runs, as Horovod's (the job may have grown or shrunk since the function was traced);
+    otherwise it is a constant, taken when the op is made.
 
     Example, 3 ranks, ``odds = hvd.add_process_set([1])``: every rank: ``size_op()`` -> 3,
     ``size_op(odds.process_set_id)`` -> 1.
     """
     ps = _registered(process_set_id, "size_op")
-    return _int_op(ps.size(), name)
+    return _int_op(ps.size, name)
 
 
 def process_set_included_op(process_set_id: int = 0, name: Optional[str] = None) -> Any:
@@ -318,22 +328,22 @@ def process_set_included_op(process_set_id: int = 0, name: Optional[str] = None)
     scalar tensor (see :func:`size_op`). Example, 3 ranks, ``odds = hvd.add_process_set([1])``:
     rank 1 -> 1, ranks 0 and 2 -> 0; ``process_set_included_op()`` -> 1 everywhere."""
     ps = _registered(process_set_id, "process_set_included_op")
-    return _int_op(1 if ps.process_set_id == 0 or ps.rank() is not None else 0, name)
+    return _int_op(lambda: 1 if ps.process_set_id == 0 or ps.rank() is not None else 0, name)
 
 
 def local_size_op(name: Optional[str] = None) -> Any:
     """The number of ranks on this host, as an int32 scalar tensor (see :func:`size_op`).
     Example, 2 ranks on one host: every rank -> 2."""
-    return _int_op(C.local_size(), name)
+    return _int_op(C.local_size, name)
 
 
 def rank_op(name: Optional[str] = None) -> Any:
     """This rank, as an int32 scalar tensor (see :func:`size_op`).
     Example, 2 ranks: rank 0 -> 0, rank 1 -> 1."""
-    return _int_op(C.rank(), name)
+    return _int_op(C.rank, name)
 
 
 def local_rank_op(name: Optional[str] = None) -> Any:
     """This rank's number on its host, as an int32 scalar tensor (see :func:`size_op`).
     Example, 2 ranks on one host: rank 0 -> 0, rank 1 -> 1."""
-    return _int_op(C.local_rank(), name)
+    return _int_op(C.local_rank, name)

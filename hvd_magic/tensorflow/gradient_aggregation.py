@@ -20,7 +20,9 @@ from typing import Any, Callable, Sequence
 
 from hvd_magic.collectives import ProcessSet, global_process_set
 
+from ._bridge import read_when_run
 from ._compat import import_tf
+from .gradient_tape import divide_gradient
 
 tf = import_tf()
 
@@ -32,19 +34,20 @@ def var_key(v: Any) -> int:
 
 
 def reduce_with_locals(allreduce_func: Callable, grads: Sequence[Any], variables: Sequence[Any],
-                       local_keys: set, scale_local: bool, size: int) -> list:
+                       local_keys: set, scale_local: bool, size: Callable[[], Any]) -> list:
     """Reduce the gradients of shared variables with ``allreduce_func``; keep those of
-    variables in ``local_keys`` (divided by ``size`` when ``scale_local``, as Horovod does)."""
+    variables in ``local_keys`` (divided by the number of ranks, ``size()``, when
+    ``scale_local``, as Horovod does; in an elastic job a tensor read when the graph runs)."""
     shared = [i for i, v in enumerate(variables) if var_key(v) not in local_keys]
     out = list(grads)
     for i, r in zip(shared, allreduce_func([grads[i] for i in shared], [variables[i] for i in shared])):
         out[i] = r
-    if scale_local and size > 1 and len(shared) < len(out):
+    if scale_local and len(shared) < len(out):
+        n = size()
         for i, v in enumerate(variables):
             g = out[i]
             if var_key(v) in local_keys and g is not None:
-                out[i] = (tf.IndexedSlices(g.values / size, g.indices, g.dense_shape)
-                          if isinstance(g, tf.IndexedSlices) else g / size)
+                out[i] = divide_gradient(g, n)
     return out
 
 
@@ -86,9 +89,10 @@ class LocalGradientAggregationHelper:
         """Keep the gradient of ``var`` (a variable local to this rank) out of the reduction."""
         self._local_vars.add(var_key(var))
 
-    def _size(self) -> int:
+    def _size(self) -> Any:
+        """The number of ranks, read when the graph runs in an elastic job."""
         ps = self.process_set
-        return ps.size() if ps.included() else 1
+        return read_when_run(lambda: ps.size() if ps.included() else 1, "hvd_size")
 
     def _accumulator(self, idx: int, grad: Any) -> Any:
         acc = self.locally_aggregated_grads.get(idx)
@@ -106,7 +110,9 @@ class LocalGradientAggregationHelper:
         grads, vars = list(grads), list(vars)
         if len(grads) != len(vars):
             raise ValueError(f"compute_gradients got {len(grads)} gradients for {len(vars)} variables")
-        sums = []
+        # Explicit control dependencies order the updates: a TF1 graph (Session) has no
+        # automatic ones, as eager code and tf.function have.
+        adds, accs = [], []
         for idx, g in enumerate(grads):
             if isinstance(g, tf.IndexedSlices):
                 if not self.sparse_as_dense:
@@ -114,25 +120,28 @@ class LocalGradientAggregationHelper:
                                      "(tf.IndexedSlices), as in Horovod; pass sparse_as_dense=True")
                 g = tf.convert_to_tensor(g)
             if g is None:
-                sums.append(None)
+                accs.append(None)
                 continue
             acc = self._accumulator(idx, g)
-            acc.assign_add(tf.cast(g, acc.dtype))
-            sums.append(acc.read_value())
-        count = self.counter.assign_add(1)
+            adds.append(acc.assign_add(tf.cast(g, acc.dtype)))
+            accs.append(acc)
+        with tf.control_dependencies(adds):
+            sums = [None if acc is None else acc.read_value() for acc in accs]
+            count = self.counter.assign_add(1)
         present = [i for i, s in enumerate(sums) if s is not None]
 
         def reduce_and_clear() -> list:
             reduced = reduce_with_locals(self.allreduce_grads, [sums[i] for i in present],
                                          [vars[i] for i in present], self._local_vars,
-                                         self.scale_local_gradients, self._size())
+                                         self.scale_local_gradients, self._size)
             if self.average_aggregated_gradients:
                 reduced = [r / self.backward_passes_per_step for r in reduced]
-            with tf.control_dependencies([tf.convert_to_tensor(r) for r in reduced]):
-                self.counter.assign(0)
-                for acc in self.locally_aggregated_grads.values():
-                    acc.assign(tf.zeros_like(acc))
-            return [tf.identity(tf.convert_to_tensor(r)) for r in reduced]
+            reduced = [tf.convert_to_tensor(r) for r in reduced]
+            with tf.control_dependencies(reduced):
+                clears = [self.counter.assign(0)] + [
+                    acc.assign(tf.zeros_like(acc)) for acc in self.locally_aggregated_grads.values()]
+            with tf.control_dependencies(clears):
+                return [tf.identity(r) for r in reduced]
 
         if not present:
             return sums

@@ -15,11 +15,12 @@ from typing import Any, Optional, Sequence
 
 import hvd_magic.collectives as C
 from hvd_magic.collectives import Adasum, Average, ProcessSet, Sum, global_process_set
+from hvd_magic.collectives.elastic import fault_tolerant
 from hvd_magic.collectives.ops import to_op
 
 from ._compat import import_tf
 from .compression import Compression, Compressor, check_compression
-from ._bridge import host_call
+from ._bridge import host_call, is_static, read_when_run
 from .mpi_ops import _grouped, _sparse_allreduce
 
 tf = import_tf()
@@ -77,6 +78,17 @@ class GradientReducer:
             return C.size()
         return self.ps.size() if self.ps.included() else 1
 
+    def size_when_run(self) -> Any:
+        """:meth:`size`, read each time a graph runs in an elastic job (an int otherwise)."""
+        return read_when_run(self.size, "hvd_size")
+
+    def reduces(self) -> bool:
+        """Whether the gradients go through the reduction: with other ranks in the set, and
+        also alone in an elastic job (MPI fault tolerance on), which may grow at a commit: a
+        function traced on one rank must still reduce once a rank joined (the PyTorch
+        optimizer does the same)."""
+        return self.size() > 1 or (self.ps.process_set_id == 0 and fault_tolerant())
+
     def _buckets(self, n: int, variables: Optional[Sequence[Any]]) -> list:
         """Lists of indices (into the dense gradients) reduced together."""
         idx = list(range(n))
@@ -103,7 +115,7 @@ class GradientReducer:
     def reduce(self, grads: Sequence[Any], variables: Optional[Sequence[Any]] = None) -> list:
         """Averaged (or summed, or Adasum-combined) gradients, in the order given; None stays
         None."""
-        if self.size() == 1 and self.prescale * self.postscale == 1.0:
+        if not self.reduces() and self.prescale * self.postscale == 1.0:
             return [tf.convert_to_tensor(g) if self.sparse_as_dense and isinstance(g, tf.IndexedSlices)
                     else g for g in grads]
         out: list = list(grads)
@@ -151,6 +163,16 @@ def _adasum(xs: list, name: str, ps: ProcessSet) -> list:
     return host_call(run, xs, [x.dtype for x in xs], [x.shape for x in xs], "adasum")
 
 
+def divide_gradient(g: Any, n: Any) -> Any:
+    """``g`` (a tensor or tf.IndexedSlices) divided by ``n`` (the number of ranks: an int, or
+    a tensor read when the graph runs); unchanged when ``n`` is 1."""
+    if is_static(n) and n == 1:
+        return g
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(g.values / tf.cast(n, g.values.dtype), g.indices, g.dense_shape)
+    return g / tf.cast(n, g.dtype)
+
+
 def _ref(v: Any) -> Any:
     """The tf.Variable behind a Keras 3 Variable (so either can name a group member)."""
     inner = getattr(v, "value", None)
@@ -179,13 +201,12 @@ class _DistributedGradientTape:
         reduced = self._hvd_reducer.reduce([flat[i] for i in shared], [flat_src[i] for i in shared])
         for i, r in zip(shared, reduced):
             flat[i] = r
-        n = self._hvd_reducer.size()
-        if self._hvd_scale_local and n > 1 and len(shared) < len(flat):
+        if self._hvd_scale_local and len(shared) < len(flat):
+            n = self._hvd_reducer.size_when_run()
             for i, s in enumerate(flat_src):
                 g = flat[i]
                 if id(_ref(s)) in self._hvd_local and g is not None:
-                    flat[i] = (tf.IndexedSlices(g.values / n, g.indices, g.dense_shape)
-                               if isinstance(g, tf.IndexedSlices) else g / n)
+                    flat[i] = divide_gradient(g, n)
         return tf.nest.pack_sequence_as(sources, flat)
 
     def register_local_source(self, source: Any) -> None:

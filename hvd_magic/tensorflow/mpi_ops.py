@@ -29,7 +29,7 @@ from hvd_magic.collectives import Average, ProcessSet, Sum, global_process_set
 from hvd_magic.collectives.ops import resolve_op, to_op
 from hvd_magic.collectives.process_sets import engine_of
 
-from ._bridge import ArgumentError, _plain, host_call, movable, tf
+from ._bridge import ArgumentError, _plain, host_call, is_static, movable, read_when_run, tf
 from .compression import Compression, Compressor, check_compression
 
 
@@ -57,6 +57,17 @@ def _place(process_set: ProcessSet) -> tuple:
     if process_set.process_set_id == 0:
         return C.rank(), C.size()
     return process_set.rank(), process_set.size()
+
+
+def place_when_run(process_set: ProcessSet) -> tuple:
+    """:func:`_place`, read each time a graph runs in an elastic job (see
+    :func:`~._bridge.read_when_run`): a graph traced before the job grew or shrank then takes
+    this rank's place and the size as they are now."""
+    _place(process_set)
+    if process_set.process_set_id == 0:
+        return read_when_run(C.rank, "hvd_rank"), read_when_run(C.size, "hvd_size")
+    return (read_when_run(process_set.rank, "hvd_set_rank"),
+            read_when_run(process_set.size, "hvd_set_size"))
 
 
 def _check_grad_op(op: Any, fn: str) -> None:
@@ -99,7 +110,7 @@ def _sparse_allreduce(s: Any, name: Optional[str], op: Any,
     values = allgather(s.values, name=None if name is None else f"{name}.values", process_set=ps)
     indices = allgather(s.indices, name=None if name is None else f"{name}.indices", process_set=ps)
     if op == Average:
-        values = values / tf.cast(_place(ps)[1], values.dtype)
+        values = values / tf.cast(place_when_run(ps)[1], values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=s.dense_shape)
 
 
@@ -231,7 +242,7 @@ def allgather(tensor: Any, name: Optional[str] = None, ignore_name_scope: bool =
     if isinstance(x, tf.IndexedSlices):
         raise TypeError("allgather takes a dense tensor; use allreduce for tf.IndexedSlices")
     scalar = x.shape.rank == 0
-    r, _ = _place(process_set)
+    r, _ = place_when_run(process_set)
 
     @tf.custom_gradient
     def f(t: Any) -> Any:
@@ -270,7 +281,10 @@ def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None,
 
         def grad(dy: Any) -> Any:
             g = _allreduce(tf.convert_to_tensor(dy), None, Average, 1.0, 1.0, process_set)
-            if C.rank() == root_rank:
+            me = read_when_run(C.rank, "hvd_rank")
+            if not is_static(me):
+                return tf.where(tf.equal(me, root_rank), g, tf.zeros_like(g))
+            if me == root_rank:
                 return g
             with tf.control_dependencies([g]):   # a graph must still run the allreduce here
                 return tf.identity(tf.zeros_like(g))
@@ -296,11 +310,11 @@ def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None,
         rank 1: alltoall(tf.constant([4, 5, 6]), splits=[1, 2])     -> ([2, 3, 5, 6], [2, 2])
     """
     x = _tensor(tensor, "alltoall")
-    _, n = _place(process_set)
+    _, n = place_when_run(process_set)
     if x.shape.rank == 0:
         raise ValueError("alltoall needs a tensor with at least one dimension")
     if splits is None:
-        if x.shape[0] is not None and x.shape[0] % n:
+        if is_static(n) and x.shape[0] is not None and x.shape[0] % n:
             raise ArgumentError(f"alltoall without splits needs the first dimension ({x.shape[0]}) to "
                              f"be divisible by the number of ranks ({n}); pass splits=[rows per rank]")
         sp = tf.fill([n], tf.cast(tf.shape(x)[0] // n, tf.int32))
@@ -312,13 +326,13 @@ def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None,
 
 def _alltoall(x: Any, sp: Any, name: Optional[str], ps: ProcessSet) -> tuple:
     received: list = []
-    n = _place(ps)[1]
+    n = place_when_run(ps)[1]
 
     @tf.custom_gradient
     def f(t: Any) -> Any:
         shape = tf.TensorShape([None]).concatenate(t.shape[1:])
         y, rs = host_call(lambda a, s: list(C.alltoall(movable(a), splits=s, name=name, process_set=ps)),
-                          [t, sp], [t.dtype, tf.int32], [shape, tf.TensorShape([n])], "alltoall", name)
+                          [t, sp], [t.dtype, tf.int32], [shape, tf.TensorShape([n if is_static(n) else None])], "alltoall", name)
         received.append(rs)
 
         def grad(dy: Any) -> Any:
@@ -328,9 +342,10 @@ def _alltoall(x: Any, sp: Any, name: Optional[str], ps: ProcessSet) -> tuple:
     return out, tf.stop_gradient(received[0])
 
 
-def _my_rows(rows: Optional[int], n: int, r: int) -> Optional[int]:
-    """Rows of ``rows`` that rank ``r`` of ``n`` gets from a reducescatter (None: unknown)."""
-    if rows is None:
+def _my_rows(rows: Optional[int], n: Any, r: Any) -> Optional[int]:
+    """Rows of ``rows`` that rank ``r`` of ``n`` gets from a reducescatter (None: unknown,
+    also when ``n`` or ``r`` is read only when the graph runs)."""
+    if rows is None or not (is_static(n) and is_static(r)):
         return None
     return rows // n + (1 if r < rows % n else 0)
 
@@ -363,7 +378,7 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: type[Compres
 
 def _reducescatter(x: Any, name: Optional[str], op: Any, pre: float, post: float,
                    ps: ProcessSet) -> Any:
-    r, n = _place(ps)
+    r, n = place_when_run(ps)
 
     @tf.custom_gradient
     def f(t: Any) -> Any:
@@ -375,10 +390,20 @@ def _reducescatter(x: Any, name: Optional[str], op: Any, pre: float, post: float
         def grad(dy: Any) -> Any:
             _check_grad_op(op, "reducescatter")
             g = allgather(tf.convert_to_tensor(dy), process_set=ps)
-            scale = pre * post * (n if op == Sum else 1)   # as Horovod scales it
-            return g * tf.cast(scale, g.dtype) if scale != 1.0 else g
+            return scale_like_horovod(g, op, pre, post, n)
         return y, grad
     return f(x)
+
+
+def scale_like_horovod(g: Any, op: Any, pre: float, post: float, n: Any) -> Any:
+    """The gradient of a reducescatter, ``g`` (allgathered), scaled as Horovod scales it: by
+    the factors and, for Sum, by the number of ranks ``n`` (an int, or a tensor read when the
+    graph runs)."""
+    scale = pre * post
+    if op == Sum and not is_static(n):
+        return g * (tf.cast(n, g.dtype) * tf.cast(scale, g.dtype))
+    scale *= n if op == Sum else 1
+    return g * tf.cast(scale, g.dtype) if scale != 1.0 else g
 
 
 # ---------------------------------------------------------------- barrier, join
