@@ -26,7 +26,7 @@ broadcast_variables DistributedGradientTape Compression Average Sum Adasum Min M
 HorovodInternalError ProcessSet global_process_set add_process_set remove_process_set""".split()
 HOROVOD_TF_ONLY = """grouped_allgather grouped_reducescatter broadcast_ broadcast_object_fn size_op
 process_set_included_op local_size_op rank_op local_rank_op SyncBatchNormalization
-LocalGradientAggregationHelper""".split()
+LocalGradientAggregationHelper DistributedOptimizer gpu_available""".split()
 
 # horovod.tensorflow 0.28's parameters, in order (hvd_magic may add parameters after them)
 HOROVOD_TF_SIGNATURES = {
@@ -49,6 +49,11 @@ HOROVOD_TF_SIGNATURES = {
     "allgather_object": "obj session name process_set",
     "size_op": "process_set_id name",
     "process_set_included_op": "process_set_id name",
+    "DistributedOptimizer": "optimizer name use_locking device_dense device_sparse compression "
+                            "sparse_as_dense backward_passes_per_step op gradient_predivide_factor "
+                            "average_aggregated_gradients num_groups groups process_set "
+                            "scale_local_gradients",
+    "gpu_available": "ext_base_name verbose",
 }
 
 
@@ -124,6 +129,39 @@ def test_single_process(one_rank):
     assert int(opt.iterations.numpy()) == 1
     assert hk.allreduce([1.0, 2.0], "one_rank").numpy().tolist() == [1.0, 2.0]
     assert int(hk.broadcast(5, 0, "epoch")) == 5
+
+
+def test_tensorflow_distributed_optimizer_one_rank(one_rank):
+    """horovod.tensorflow's DistributedOptimizer: a tf.compat.v1.train optimizer is wrapped in
+    one of that base class; a Keras optimizer gets the Keras DistributedOptimizer, as Horovod
+    does; refusals say what to use instead."""
+    opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1))
+    assert isinstance(opt, tf.compat.v1.train.Optimizer) and opt.get_name() == \
+        "DistributedGradientDescentOptimizer"
+    w = tf.Variable([3.0])
+    (grad, var), = opt.compute_gradients(lambda: tf.reduce_sum(w * w), var_list=[w])
+    assert var is w and grad.numpy().tolist() == [6.0]
+    opt.apply_gradients([(grad, var)])
+    assert w.numpy().tolist() == pytest.approx([2.4])
+    keras_opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Sum)
+    assert isinstance(keras_opt, keras.optimizers.SGD) and hk.is_distributed(keras_opt)
+    with pytest.raises(ValueError, match="DistributedGradientTape"):
+        hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), op=hvd.Adasum)
+    with pytest.raises(ValueError, match="gradient_predivide_factor"):
+        hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), op=hvd.Sum,
+                                 gradient_predivide_factor=2.0)
+    with pytest.raises(TypeError, match="DistributedGradientTape"):
+        hvd.DistributedOptimizer(object())
+    with pytest.warns(DeprecationWarning, match="num_groups"):
+        hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), num_groups=2)
+
+
+def test_gpu_available_says_no_gpu(capsys):
+    """Collectives move host memory here: a GPU-only check (Horovod's tests skip with
+    ``if not hvd.gpu_available('tensorflow')``) skips."""
+    assert hvd.gpu_available("tensorflow") is False
+    assert hvd.gpu_available("torch", verbose=True) is False
+    assert "Extension torch was NOT running with GPU." in capsys.readouterr().out
 
 
 def test_indexed_slices_refuses_other_ops_as_horovod(one_rank):
@@ -297,6 +335,17 @@ def test_horovod_compat_under_mpi(np_):
     grouped_allreduce of IndexedSlices, Horovod's reducescatter gradient scale,
     broadcast_global_variables, the session-graph broadcast gradient (tf_horovod_compat.py)."""
     proc = mpirun("tf_horovod_compat.py", np_, env=TF_ENV, timeout=180)
+    assert proc.stdout.count("done, 0 failures") == np_, proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("np_", [2, 3])
+def test_tensorflow_distributed_optimizer_in_a_session_under_mpi(np_):
+    """TF1 graph mode: hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer)
+    gives every rank the weights of one process training on the whole batch (minimize,
+    compute_gradients + apply_gradients, backward_passes_per_step with a global_step,
+    register_local_var; tf_v1_optimizer.py)."""
+    proc = mpirun("tf_v1_optimizer.py", np_, env=TF_ENV, timeout=180)
     assert proc.stdout.count("done, 0 failures") == np_, proc.stdout
 
 

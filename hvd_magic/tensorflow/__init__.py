@@ -46,6 +46,7 @@ from .functions import (allgather_object, broadcast_, broadcast_global_variables
                         process_set_included_op, rank_op, size_op)
 from .gradient_tape import DistributedGradientTape  # noqa: E402
 from .gradient_aggregation import LocalGradientAggregationHelper  # noqa: E402
+from .optimizer import DistributedOptimizer  # noqa: E402
 from .mpi_ops import (allgather, allreduce, alltoall, barrier, broadcast,  # noqa: E402
                       grouped_allreduce, join, reducescatter)
 
@@ -73,5 +74,6 @@ from . import elastic  # noqa: E402 - hvd.elastic.run, TensorFlowKerasState
 from . import util  # noqa: E402 - hvd.util._executing_eagerly, as in Horovod
 from ._bridge import CollectiveMismatchError  # noqa: E402
 from .util import _executing_eagerly  # noqa: E402,F401 - Horovod exports it here too
+from .util import gpu_available  # noqa: E402
 
 __all__ = [n for n in dir() if not n.startswith("_") and n != "annotations"] + ["SyncBatchNormalization"]

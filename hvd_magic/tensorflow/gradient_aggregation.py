@@ -167,3 +167,25 @@ class LocalGradientAggregationHelper:
             return tf.constant(False)
 
         return tf.cond(tf.equal(self.counter, 0), apply, skip)
+
+    def apply_legacy(self, apply_op_closure: Callable, grads: Sequence[Any],
+                     global_step: Any = None) -> Any:
+        """TF1 graph mode: an op that runs ``apply_op_closure()`` (which returns the wrapped
+        optimizer's apply op) on the pass that reduced, after ``grads`` (so after this pass's
+        :meth:`compute_gradients`); on other passes it counts ``global_step`` up, as Horovod
+        does."""
+        deps = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads if g is not None]
+
+        def apply() -> Any:
+            with tf.control_dependencies([apply_op_closure()]):
+                return tf.constant(True)
+
+        def skip() -> Any:
+            if global_step is None:
+                return tf.constant(False)
+            with tf.control_dependencies([global_step.assign_add(tf.cast(1, global_step.dtype))]):
+                return tf.constant(False)
+
+        with tf.control_dependencies(deps):
+            applied = tf.cond(tf.equal(self.counter, 0), apply, skip)
+        return tf.group(applied)
