@@ -461,7 +461,6 @@ def test_response_cache_slots_are_the_same_on_every_rank_and_reused_lowest_first
     assert all(c.by_name == {"a": 0, "b": 1, "c": 2} for c in caches)
     c = caches[0]
     assert c.slot(ar("b")) == 1 and c.slot(ar("b", shape=(5,))) is None
-    assert c.stale(ar("b", shape=(5,))) == 1 and c.stale(ar("z")) is None
     c.drop(1)
     c.add([Response("d", "allreduce", dict.fromkeys(range(3), ar("d")))])
     assert c.by_name == {"a": 0, "d": 1, "c": 2}
@@ -469,6 +468,22 @@ def test_response_cache_slots_are_the_same_on_every_rank_and_reused_lowest_first
     v = c.version
     c.add([Response("d", "allreduce", dict.fromkeys(range(3), ar("d")))])
     assert c.version == v
+    # the same name decided with other metadata replaces it
+    c.add([Response("d", "allreduce", dict.fromkeys(range(3), ar("d", shape=(9,))))])
+    assert c.slot(ar("d")) is None and c.slot(ar("d", shape=(9,))) == 1
+
+
+def test_unnamed_calls_are_kept_without_their_number():
+    from hvd_magic.collectives.response_cache import ResponseCache
+    c = ResponseCache(cap=8)
+    c.add([Response("allreduce.noname.4", "allreduce", {0: ar("allreduce.noname.4")}),
+           Response("allreduce.noname.5.1", "allreduce", {0: ar("allreduce.noname.5.1")})])
+    assert c.slot(ar("allreduce.noname.9")) == 0            # the next unnamed call alike
+    assert c.slot(ar("allreduce.noname.9", shape=(7,))) is None
+    assert c.slot(ar("allreduce.noname.12.1")) == 1          # a grouped call's part
+    # other shapes of unnamed calls are kept beside each other, not instead
+    c.add([Response("allreduce.noname.6", "allreduce", {0: ar("allreduce.noname.6", shape=(7,))})])
+    assert c.slot(ar("allreduce.noname.10")) == 0 and c.slot(ar("allreduce.noname.10", shape=(7,))) == 2
 
 
 def test_response_cache_keeps_only_what_every_rank_must_agree_on():
@@ -478,7 +493,7 @@ def test_response_cache_keeps_only_what_every_rank_must_agree_on():
     assert keeps(Response("x", "allreduce", every))
     assert keeps(Response("b", "broadcast", every)) and keeps(Response("r", "reducescatter", every))
     assert not keeps(Response("g", "allgather", every))        # other ranks' rows may change
-    assert not keeps(Response("allreduce.noname.3", "allreduce", every))
+    assert keeps(Response("allreduce.noname.3", "allreduce", every))
     assert not keeps(Response("x", "allreduce", every, error="mismatch"))
     assert not keeps(Response("x", "allreduce", {0: ar("x")}, joined=frozenset({1})))
 

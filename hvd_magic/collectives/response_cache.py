@@ -19,11 +19,17 @@ negotiated as before. Example, 2 ranks, slots 0 ``grad.w`` and 1 ``grad.b``::
     AND:    [1, 0b01]   -> grad.w is ready on both; grad.b stays set on rank 0
 
 Only requests whose metadata every rank must share are kept (allreduce, reducescatter,
-broadcast, named): a rank's own metadata equal to the kept one then means every rank's is.
-A rank that submits a kept name with other metadata (another shape, dtype, op, ...), or
-whose cached request waits longer than half the stall check time (so that the stall check
-sees it and names the missing ranks), sends the slot as an invalidation: every rank drops
-it, and whoever still waits for that request announces it in full.
+broadcast): a rank's own metadata equal to the kept one then means every rank's is. An
+unnamed call (``allreduce.noname.N``) is kept without its number, so the next unnamed call
+of the same shape finds it; a rank has at most one request waiting per slot, later ones of
+the same slot wait their turn in submission order (the same order on every rank).
+
+A request that some rank announces in full while another holds it by its bit (its
+metadata differ there: another shape, dtype, op, ...) goes back to the full messages on
+that other rank too, so the negotiation compares them and names the mismatch. A cached
+request that waits longer than half the stall check time is sent as an invalidation:
+every rank drops its slot and announces what it still waits for in full, so that the stall
+check names the missing ranks. A decision kept under a name already kept replaces it.
 """
 from __future__ import annotations
 
@@ -32,7 +38,8 @@ from typing import Optional
 
 import numpy as np
 
-from .negotiation import Ann, Response
+from .codec import split_noname
+from .negotiation import Ann, Response, _tuple_new
 
 KEPT_KINDS = frozenset(("allreduce", "reducescatter", "broadcast"))
 
@@ -43,8 +50,9 @@ class ResponseCache:
     def __init__(self, cap: int) -> None:
         self.cap = cap
         self.slots: list = []                  # slot -> Response (None: free)
-        self.by_ann: dict = {}                 # Ann -> slot
-        self.by_name: dict = {}                # name -> slot
+        self.keys: list = []                   # slot -> its key
+        self.by_ann: dict = {}                 # key (see :meth:`key`) -> slot
+        self.by_name: dict = {}                # name -> slot (named requests)
         self._free: list = []                  # free slots below len(slots), lowest first
         self.version = 0                       # moves on every change (plans keyed by it)
         self.hits = 0                          # requests carried out from the cache
@@ -52,17 +60,20 @@ class ResponseCache:
     @staticmethod
     def keeps(resp: Response) -> bool:
         """Whether every rank keeps this decision (depends on the decision alone)."""
-        return (resp.error is None and resp.kind in KEPT_KINDS and not resp.joined
-                and ".noname." not in resp.name)
+        return resp.error is None and resp.kind in KEPT_KINDS and not resp.joined
+
+    @staticmethod
+    def key(ann: Ann) -> Ann:
+        """What a request is kept under: itself, or for an unnamed call the same request
+        without its number (``allreduce.noname.7.2`` -> ``allreduce.noname`` + ``.2``)."""
+        if ".noname." not in ann[0]:
+            return ann
+        head, _, rest = split_noname(ann[0])
+        return _tuple_new(Ann, (f"{head}\0{rest}",) + ann[1:])
 
     def slot(self, ann: Ann) -> Optional[int]:
-        """The slot of exactly this request, or None."""
-        return self.by_ann.get(ann)
-
-    def stale(self, ann: Ann) -> Optional[int]:
-        """The slot of the same name kept with other metadata, or None."""
-        slot = self.by_name.get(ann.name)
-        return None if slot is None or self.slots[slot].first == ann else slot
+        """The slot this request is announced by, or None."""
+        return self.by_ann.get(self.key(ann))
 
     def add(self, responses: list) -> bool:
         """Keep the decisions of one negotiated cycle that every rank keeps. False when the
@@ -70,20 +81,26 @@ class ResponseCache:
         requests go back to the full messages), then these were added."""
         fresh = True
         for resp in responses:
-            if not self.keeps(resp) or resp.first in self.by_ann:
+            if not self.keeps(resp):
                 continue
-            old = self.by_name.get(resp.name)
+            key = self.key(resp.first)
+            if key in self.by_ann:
+                continue
+            named = key is resp.first
+            old = self.by_name.get(resp.name) if named else None
             if old is not None:
                 self.drop(old)
-            if len(self.by_name) >= self.cap:
+            if len(self.by_ann) >= self.cap:
                 self.clear()
                 fresh = False
             slot = heapq.heappop(self._free) if self._free else len(self.slots)
             if slot == len(self.slots):
                 self.slots.append(None)
-            self.slots[slot] = resp
-            self.by_ann[resp.first] = slot
-            self.by_name[resp.name] = slot
+                self.keys.append(None)
+            self.slots[slot], self.keys[slot] = resp, key
+            self.by_ann[key] = slot
+            if named:
+                self.by_name[resp.name] = slot
             self.version += 1
         return fresh
 
@@ -92,13 +109,14 @@ class ResponseCache:
         if resp is None:
             return
         self.slots[slot] = None
-        del self.by_ann[resp.first]
-        del self.by_name[resp.name]
+        del self.by_ann[self.keys[slot]]
+        if self.by_name.get(resp.name) == slot:
+            del self.by_name[resp.name]
         heapq.heappush(self._free, slot)
         self.version += 1
 
     def clear(self) -> None:
-        self.slots, self.by_ann, self.by_name, self._free = [], {}, {}, []
+        self.slots, self.keys, self.by_ann, self.by_name, self._free = [], [], {}, {}, []
         self.version += 1
 
     def words(self) -> int:

@@ -76,6 +76,44 @@ def _():
     close("and cached again", hvd.allreduce(np.ones(3), name="mm", op=hvd.Sum), np.full(3, float(n)))
 
 
+@check("unnamed calls, several of one shape in flight")
+def _():
+    eng = state.engine()
+    hits = eng.cache.hits
+    for step in range(6):
+        close(f"unnamed blocking step {step}", hvd.allreduce(np.full(3, float(r + step)), op=hvd.Sum),
+              np.full(3, tri + n * step))
+        hs = [hvd.allreduce_async(np.full(5, float(r * k)), op=hvd.Sum) for k in range(4)]
+        for k, h in enumerate(hs):
+            close(f"unnamed async step {step} #{k}", hvd.synchronize(h), np.full(5, tri * k))
+    if eng.cache.hits - hits < 5 * 5:
+        FAILS.append(f"only {eng.cache.hits - hits} unnamed calls from the response cache")
+
+
+@check("mismatches after caching are reported at once")
+def _():
+    hvd.shutdown()
+    os.environ["HOROVOD_STALL_CHECK_TIME_SECONDS"] = "60"      # (no demotion to help)
+    hvd.init()
+    for kind in ("named", "unnamed"):
+        name = "mm2" if kind == "named" else None
+        for _ in range(3):
+            hvd.allreduce(np.ones(3), name=name, op=hvd.Sum)
+        t0 = time.monotonic()
+        try:
+            hvd.allreduce(np.ones(4 if r == n - 1 else 3), name=name, op=hvd.Sum)
+            FAILS.append(f"{kind}: a shape that differs across ranks reduced without an error")
+        except hvd.TensorMismatchError as e:
+            if "shape differs" not in str(e):
+                FAILS.append(f"{kind} mismatch message: {e}")
+        if time.monotonic() - t0 > 10:
+            FAILS.append(f"{kind}: the mismatch took {time.monotonic() - t0:.1f} s")
+        hvd.barrier()
+    hvd.shutdown()
+    os.environ["HOROVOD_STALL_CHECK_TIME_SECONDS"] = "1"
+    hvd.init()
+
+
 @check("a stalled cached request is named with its missing rank")
 def _():
     for _ in range(2):
