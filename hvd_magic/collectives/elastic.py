@@ -91,12 +91,12 @@ def shrink(failure: Optional[BaseException] = None) -> tuple:
     # the lost ranks are those the survivors' group lacks (Get_failed() can still be empty
     # here: a test saw "lost rank(s) ;" once in about 20 runs)
     group, old_group = survivors.Get_group(), base.Get_group()
-    kept = set(group.Translate_ranks(list(range(n)), old_group))
+    old_ranks = group.Translate_ranks(list(range(n)), old_group)
     group.Free()
     old_group.Free()
-    lost = [r for r in range(base.Get_size()) if r not in kept]
+    lost = [r for r in range(base.Get_size()) if r not in set(old_ranks)]
+    # which live ranks failed, and how: every rank says, over the survivors' communicator
     said = survivors.allgather(None if failure is None else failure_text(failure))
-    old_ranks = sorted(kept)
     failed = {old_ranks[i]: text for i, text in enumerate(said) if text is not None}
     _note_failed_hosts(lost + sorted(failed))
     left = n - len(failed)

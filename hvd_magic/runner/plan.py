@@ -67,7 +67,7 @@ class LaunchArgs:
     max_np: Optional[int] = None            # elastic: grow to at most this many
     host_discovery_script: Optional[str] = None   # elastic: prints the hosts and slots there are
     reset_limit: Optional[int] = None       # elastic: the job ends at the reset after this many
-    blacklist_cooldown_range: Optional[Tuple[int, int]] = None  # elastic: seconds a failed host waits
+    blacklist_cooldown_range: Optional[Tuple[int, int]] = None  # elastic: a failed host's wait
     network_interface: Optional[str] = None
     verbose: bool = False
     extra_env: Dict[str, str] = field(default_factory=dict)
@@ -173,7 +173,8 @@ def horovod_env(args: LaunchArgs) -> Dict[str, str]:
     if args.reset_limit is not None:
         env["HVD_MAGIC_ELASTIC_RESET_LIMIT"] = str(args.reset_limit)
     if args.blacklist_cooldown_range is not None:
-        env["HVD_MAGIC_BLACKLIST_COOLDOWN_RANGE"] = " ".join(map(str, args.blacklist_cooldown_range))
+        low, high = args.blacklist_cooldown_range
+        env["HVD_MAGIC_BLACKLIST_COOLDOWN_RANGE"] = f"{low} {high}"
     if args.host_discovery_script:
         env["HVD_MAGIC_HOST_DISCOVERY_SCRIPT"] = os.path.abspath(args.host_discovery_script)
     names = interface_names(args.network_interface or "")

@@ -126,7 +126,8 @@ class TorchState(ObjectState):
         return out
 
     def _save_dicts(self) -> None:
-        self._hvd_saved_dicts = {k: copy.deepcopy(v.state_dict()) for k, v in self._objects().items()}
+        self._hvd_saved_dicts = {k: copy.deepcopy(v.state_dict())
+                                 for k, v in self._objects().items()}
 
     def save(self) -> None:
         self._save_dicts()
