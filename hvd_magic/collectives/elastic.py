@@ -13,9 +13,15 @@ How a loss is survived (scripts under ``hvdrun --min-np N`` or ``mpiexec --with-
    again, now on n-1 ranks; one line on rank 0's stderr names the lost ranks, the new size
    and the commit training resumed from.
 
-Errors that are not a lost rank (a shape mismatch, a stall) are raised as before: running
-``func`` again would only repeat them. Fewer survivors than ``HVD_MAGIC_ELASTIC_MIN_NP`` is
-an error that says so.
+An exception that ``func`` raises on some ranks (bad data on one worker, a failing device)
+is those ranks' failure, as in Horovod: each revokes the communicators as a dead rank would,
+every live rank meets in :func:`shrink`, the survivors learn who failed and why, the failed
+ranks print their traceback and leave, and the others go on as after a loss (rank 0 names
+them: ``rank 1 failed: ValueError: bad batch``). When every rank failed, each raises its own
+exception. The runtime's own errors (a shape mismatch, a stall) are raised as before: they
+hit every rank, and running ``func`` again would only repeat them. Fewer ranks left than
+``HVD_MAGIC_ELASTIC_MIN_NP`` is an error that says so; so is a reset beyond
+``HVD_MAGIC_ELASTIC_RESET_LIMIT``.
 
 How the job grows or shrinks on purpose (``hvdrun --max-np M --host-discovery-script S``):
 at a commit, rank 0 runs the discovery script (at most once a second, as Horovod's driver
