@@ -13,7 +13,6 @@ falls out of the caches.
 """
 from __future__ import annotations
 
-import functools
 import math
 import operator
 from typing import Any, Optional
@@ -46,13 +45,14 @@ _UFUNCS.update({(ReduceOp.MIN, True): np.logical_and, (ReduceOp.MAX, True): np.l
 # An MPI library's own reduction code can get integer arithmetic wrong: Open MPI 5's
 # vectorized component (``op/avx``, chosen on CPUs with AVX) adds 8- and 16-bit integers
 # with saturation once a buffer holds a full vector register (16 bytes and up), so uint8
-# 229 + 229 gives 255, not 202, while 15 elements give 202. Each backend therefore reduces
-# a probe of every (op, integer or bool dtype) through MPI at start, compares with numpy,
-# and sends the pairs MPI got wrong through an MPI op that reduces with numpy (the same
-# algorithm and bytes on the wire, each rank's reduction steps done by numpy's wrapping
-# arithmetic); the pairs MPI gets right, floats included, keep MPI's own op. The numpy op
-# is a Python callback (it takes the GIL): at 2 ranks on one host it added about 1.4 us a
-# call from 1 KiB to 60 KiB and 3% at 1 MiB. Buffers that go through shared memory
+# 229 + 229 gives 255, not 202, while 15 elements give 202. Each backend therefore has MPI
+# reduce a probe of every (op, integer or bool dtype) locally at start (``Reduce_local``
+# runs the same reduction functions as MPI's collectives on CPU buffers), compares with
+# numpy, and sends the pairs MPI got wrong on any rank through an MPI op that reduces with
+# numpy (the same algorithm and bytes on the wire, each reduction step done by numpy's
+# wrapping arithmetic); the pairs MPI gets right, floats included, keep MPI's own op. The
+# numpy op is a Python callback (it takes the GIL): at 2 ranks on one host it added about
+# 1.4 us a call from 1 KiB to 60 KiB and 3% at 1 MiB. Buffers that go through shared memory
 # (:mod:`.shm`) are reduced by numpy anyway.
 _CHECKED_DTYPES = ("bool",) + ops.INTEGER
 #: Probe length: 16 vectors of 64 bytes, then 63 elements that leave a 32-byte, a 16-byte
@@ -74,19 +74,18 @@ def _numpy_op(ufunc: Any) -> MPI.Op:
     return op
 
 
-def _probe(dtype: str, rank: int) -> np.ndarray:
-    """Rank ``rank``'s probe: values over the whole range of ``dtype`` (sums and products
-    overflow), different on each rank."""
-    i = np.arange(_PROBE_N, dtype=np.int64)
-    x = i * 2654435761 + (rank + 1) * 40503 + 13
+def _probe(dtype: str, seed: int) -> np.ndarray:
+    """Values over the whole range of ``dtype`` (sums and products overflow), different for
+    each ``seed``."""
+    x = np.arange(_PROBE_N, dtype=np.int64) * 2654435761 + (seed + 1) * 40503 + 13
     return (x & 1).astype(bool) if dtype == "bool" else x.astype(dtype)
 
 
 def checked_ops(comm: MPI.Comm) -> tuple:
     """(MPI op per (int(ReduceOp), dtype name), the (op name, dtype) pairs reduced with
-    numpy). Collective over ``comm``: every rank probes, then the ranks' findings are
-    joined, so that all pick the same op even where only some ranks' MPI computes wrong
-    (each rank's finding is deterministic, but ranks may run on different CPUs)."""
+    numpy). Collective over ``comm`` (one allgather): each rank's finding is deterministic,
+    but ranks may run on different CPUs, so the pairs any rank got wrong go through numpy
+    on every rank, and all ranks reduce the same way."""
     table = {}
     for op in (ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT):
         for dtype in ops.DTYPES:
@@ -94,14 +93,11 @@ def checked_ops(comm: MPI.Comm) -> tuple:
             if mop is not None:
                 table[(int(op), dtype)] = mop
     wrong = []
-    if comm.Get_size() > 1:              # (MPI reduces nothing at one rank)
-        for (op, dtype), mop in table.items():
-            if dtype not in _CHECKED_DTYPES:
-                continue
-            got = _probe(dtype, comm.Get_rank())
-            comm.Allreduce(MPI.IN_PLACE, got, op=mop)
-            ufunc = _UFUNCS[(ReduceOp(op), dtype == "bool")]
-            want = functools.reduce(ufunc, [_probe(dtype, k) for k in range(comm.Get_size())])
+    for (op, dtype), mop in table.items():
+        if dtype in _CHECKED_DTYPES:
+            a, got = _probe(dtype, 0), _probe(dtype, 1)
+            want = _UFUNCS[(ReduceOp(op), dtype == "bool")](a, got)
+            mop.Reduce_local(a, got)
             if not np.array_equal(got, want):
                 wrong.append((op, dtype))
     bad = sorted({pair for found in comm.allgather(wrong) for pair in found})
