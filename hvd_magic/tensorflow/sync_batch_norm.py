@@ -15,6 +15,7 @@ from typing import Any
 
 import hvd_magic.collectives as C
 from hvd_magic.collectives import Sum
+from hvd_magic.collectives.elastic import fault_tolerant
 
 from ._compat import import_keras, import_tf
 from .mpi_ops import allreduce
@@ -71,9 +72,9 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         both ranks: moving_mean 0.99 * 0 + 0.01 * 5, moving_variance 0.99 * 1 + 0.01 * 8
 
     Eagerly, inside ``tf.function`` (not ``jit_compile=True``) and in ``model.fit``; every rank
-    must run the training step together. Without ``hvd.init()``, at one rank, or outside
-    training it is ``BatchNormalization`` exactly (inside ``tf.function`` this is decided when
-    it is traced). Keras names the first one ``sync_batch_normalization``, as Horovod does,
+    must run the training step together. Without ``hvd.init()``, at one rank (not in an
+    elastic job, which may grow), or outside training it is ``BatchNormalization`` exactly
+    (inside ``tf.function`` this is decided when it is traced). Keras names the first one ``sync_batch_normalization``, as Horovod does,
     and the next ones ``sync_batch_normalization_1``, ... (a Keras 3 model wants unique names).
     """
 
@@ -84,7 +85,9 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         super().__init__(**kwargs)
 
     def _moments(self, inputs: Any, mask: Any) -> tuple:
-        if not C.is_initialized() or C.size() == 1:
+        # Alone in an elastic job the statistics are still allreduced (over one rank): the
+        # job may grow, and a train function traced now must combine them with the new ranks.
+        if not C.is_initialized() or (C.size() == 1 and not fault_tolerant()):
             return super()._moments(inputs, mask)
         totals = allreduce(local_totals(inputs, self.axis, mask), op=Sum)
         mean, var = moments_from_totals(totals)

@@ -7,8 +7,9 @@ rank, and runs on after the growth: it must reduce the gradients with the new ra
 MODE ``tape``: a ``tf.function`` step with ``hvd.DistributedGradientTape``; at the end, on
 both ranks, the weights equal one process replaying the same global batches (rank 0's first
 weights; each rank starts from different ones, so equal weights come of the syncs).
-MODE ``keras``: ``model.fit`` with the Keras ``DistributedOptimizer`` and Horovod's elastic
-callbacks; at the end, both ranks hold the same weights and the loss went down.
+MODE ``keras``: ``model.fit`` of a model with a ``SyncBatchNormalization`` layer, with the
+Keras ``DistributedOptimizer`` and Horovod's elastic callbacks; at the end, both ranks hold
+the same weights (moving statistics included) and the loss went down.
 
 usage: elastic_grow_tf.py SLOTS MODE   (prints 'elastic tf OK' on each rank; 'JOINED' on the
 new rank)"""
@@ -107,7 +108,10 @@ else:
     from hvd_magic.keras import elastic
 
     keras.utils.set_random_seed(hvd.rank() + 10 * joined)
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    # SyncBatchNormalization too: at one rank it must still combine the statistics in a
+    # train function that runs on after the growth
+    model = keras.Sequential([keras.Input((4,)), hvd.SyncBatchNormalization(),
+                              keras.layers.Dense(1)])
     model.compile(optimizer=hvd_keras.DistributedOptimizer(keras.optimizers.SGD(LR)), loss="mse")
     state = elastic.KerasState(model, epoch=0, batch=0, sizes=[])
 
