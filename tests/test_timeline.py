@@ -17,13 +17,22 @@ from mpi_harness import HERE, MPIEXEC, mpi_env
 from hvd_magic.collectives.timeline import NEGOTIATE, QUEUE, TimelineWriter
 
 
-def read_trace(path) -> list:
+def read_trace(path, running: bool = False) -> list:
     """The records of a timeline file, checked the way a trace viewer reads it: a JSON array
     whose closing ``]`` may be missing (Chrome's JSON Array format allows that), and in which
-    every line after the ``[`` is one whole record (a killed writer left no partial one)."""
-    with open(path, encoding="utf-8") as f:
+    every line after the ``[`` is one whole record (a killed writer left no partial one).
+    ``running``: the file is read while the job writes it, so its last line may be a record
+    whose write is still under way: it is left out, as a program that tails the file would."""
+    with open(path, encoding="utf-8", errors="replace" if running else "strict") as f:
         text = f.read()
     assert text.startswith("[\n"), text[:80]
+    if running and "\n" in text[2:]:
+        head, last = text.rsplit("\n", 1)
+        try:
+            json.loads(last.rstrip(","))
+        except ValueError:
+            text = head
+        text = text.rstrip().rstrip(",")       # (a cut between a record and the next)
     body = text.rstrip()
     closed = body.endswith("]")
     records = json.loads(body if closed else body + "]")
@@ -95,7 +104,7 @@ def test_timeline_is_readable_while_running_and_after_sigkill(mode, tmp_path):
         seen = []
         while time.monotonic() < deadline and proc.poll() is None:
             if path.exists() and path.stat().st_size > 0:
-                recs = read_trace(path)
+                recs = read_trace(path, running=True)
                 ranks = {r.get("tid") for r in recs if r.get("name") == "MPI_ALLREDUCE"}
                 if ranks >= {0, 1}:
                     seen.append(len(recs))
@@ -149,6 +158,38 @@ def test_timeline_is_readable_while_running_and_after_sigkill(mode, tmp_path):
         assert not cycles
 
 
+def test_a_hung_job_has_every_ranks_last_steps_in_the_file(tmp_path):
+    """The last rank stops after 10 steps (stuck in its own code) while rank 0 waits for it:
+    within a few seconds the file holds both ranks' last step, though no rank has anything
+    to negotiate any more (the idle ranks still bring their events to rank 0)."""
+    path = tmp_path / "timeline.json"
+    cmd = [MPIEXEC, "-n", "2", sys.executable, str(HERE / "mpi" / "timeline_kill.py"), "hang", str(path)]
+    proc = subprocess.Popen(cmd, env=mpi_env({"HOROVOD_TIMELINE": str(path)}), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+    def last_step_rows():
+        if not path.exists():
+            return set()
+        recs = read_trace(path, running=True)
+        rows = {r["pid"] for r in recs if r["ph"] == "M" and r["name"] == "process_name"
+                and r["args"].get("name") == "allreduce.step.9"}
+        return {r["tid"] for r in recs if r.get("pid") in rows and r.get("name") == "MPI_ALLREDUCE"}
+
+    try:
+        deadline = time.monotonic() + 120
+        while 0 not in last_step_rows() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert proc.poll() is None, f"the job ended early:\n{proc.communicate()[1]}"
+        assert 0 in last_step_rows(), "rank 0's last step never reached the file"
+        deadline = time.monotonic() + 4          # (the stall check's idle heartbeat is 15 s)
+        while last_step_rows() != {0, 1} and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert last_step_rows() == {0, 1}, f"the last step's rows: ranks {last_step_rows()}"
+    finally:
+        kill_session(proc.pid)
+        proc.communicate(timeout=30)
+
+
 def test_writer_streams_whole_records_and_closes_valid(tmp_path):
     """The writer alone: events show up in the file within its flush period, not at close;
     after close the file is a complete JSON array."""
@@ -160,10 +201,10 @@ def test_writer_streams_whole_records_and_closes_valid(tmp_path):
                  (0, "w", QUEUE, t0 + 10, 2.0, None),
                  (0, "w", "MPI_ALLREDUCE", t0 + 12, 5.0, {"bytes": 8})])
         deadline = time.monotonic() + 10
-        recs = read_trace(path)
+        recs = read_trace(path, running=True)
         while not any(r.get("name") == "MPI_ALLREDUCE" for r in recs) and time.monotonic() < deadline:
             time.sleep(0.05)
-            recs = read_trace(path)
+            recs = read_trace(path, running=True)
         assert any(r.get("name") == "MPI_ALLREDUCE" for r in recs), recs
     finally:
         w.close()

@@ -39,7 +39,7 @@ from .interrupts import defer_sigint, restore_sigint
 from .negotiation import _tuple_new, Ann, Negotiator, RankMsg
 from .response_cache import ResponseCache
 from .stall import StallCheck
-from .timeline import CYCLE, Timeline, TimelineWriter, now_us
+from .timeline import CYCLE, FLUSH_S, Timeline, TimelineWriter, now_us
 from .waiting import INLINE_SPIN_S, next_cycle_in, tight_timer_slack, wait_request
 
 
@@ -72,7 +72,6 @@ class Engine:
         # with HOROVOD_CACHE_CAPACITY=0 every cycle is the full messages' allgather alone.
         self.cache = ResponseCache(config.cache_capacity) if config.cache_capacity > 0 else None
         self._cached: dict = {}      # slot -> this rank's LocalReq announced by that bit
-        self._queued: dict = {}      # slot -> deque of later LocalReqs of that slot
         self._invalid: list = []     # slots to invalidate in the next message
         self._demoted: set = set()   # slots this rank asked to invalidate (waited too long)
         self._vec = None             # the bit vector's receive buffer, reused
@@ -276,12 +275,16 @@ class Engine:
         decides when). True: news to send (or a posted exchange to finish); False: a poll
         or heartbeat cycle is due."""
         waited_from = time.monotonic()
+        heartbeat = self.stall.heartbeat_s
+        if self.tl.recording and self.set_id == 0:
+            # an idle rank still brings its last timeline events to rank 0's file soon
+            heartbeat = min(heartbeat or FLUSH_S, FLUSH_S)
         while True:
             news = self._has_news()
             delay = next_cycle_in(news, self._join is not None or bool(self._cached)
                                   or self.neg.waiting(self.rank),
                                   self._empty_streak, time.monotonic() - waited_from,
-                                  self.stall.heartbeat_s)
+                                  heartbeat)
             if delay == 0.0:
                 break
             self._sleep(delay)
@@ -304,16 +307,17 @@ class Engine:
         pop = self._new.popleft
         cache = self.cache
         if cache is not None and cache.by_ann and not (self.neg.joined or self.neg.shut):
-            cached, announced = self._cached, self.neg.pending
+            cached = self._cached
             while self._new:
                 r = pop()
-                slot = cache.slot(r.ann)
-                if slot is None or r.ann.name in announced:   # (another rank announced it
-                    new.append(r)                             # in full: its metadata differ)
-                elif slot in cached:       # (unnamed calls of one slot: in turn)
-                    self._queued.setdefault(slot, deque()).append(r)
-                else:
+                slot = cache.by_ann.get(r.ann)
+                if slot is not None:
                     cached[slot] = r
+                    continue
+                stale = cache.stale(r.ann)
+                if stale is not None:      # same name, other metadata: every rank drops it
+                    self._invalid.append(stale)
+                new.append(r)
         else:
             while self._new:
                 new.append(pop())
@@ -441,26 +445,15 @@ class Engine:
 
     def _take_ready(self, ready: tuple) -> tuple:
         """The response cache's ready requests as (responses, fusion plan); this rank no
-        longer announces them (the next of a slot's waiting unnamed calls takes its bit)."""
+        longer announces them."""
         if not ready:
             return [], []
-        cached, queued = self._cached, self._queued
-        responses = []
-        for slot, resp in ready:
-            req = cached.pop(slot)
-            name = req.ann.name
-            if resp.name != name:       # an unnamed call: this one's number
-                resp.name = name
-                if resp.kind != "allreduce":    # (their backends label from these)
-                    resp.anns = {r: a._replace(name=name) for r, a in resp.anns.items()}
-            responses.append(resp)
+        cached = self._cached
+        for slot, _ in ready:
+            del cached[slot]
             self._demoted.discard(slot)
-            later = queued.get(slot)
-            if later:
-                cached[slot] = later.popleft()
-                if not later:
-                    del queued[slot]
         self.cache.hits += len(ready)
+        responses = [resp for _, resp in ready]
         if len(responses) == 1:
             return responses, None
         key = (self.cache.version, tuple(slot for slot, _ in ready))
@@ -474,42 +467,22 @@ class Engine:
 
     def _update_cache(self, msgs: Optional[list], responses: list) -> None:
         """After a negotiated cycle, alike on every rank: drop the slots some rank
-        invalidated, keep this cycle's decisions. This rank's cached requests go back to
-        the full messages when their slot went or changed, when another rank announced the
-        same request in full (its metadata differ there), or, all of them, while a rank
-        has joined or shut down and when the cache started again."""
+        invalidated, keep this cycle's decisions; a request of this rank whose slot went
+        (or every one, while a rank has joined or shut down) is announced in full next."""
         cache = self.cache
         invalid = sorted({s for m in msgs for s in m.invalid}) if msgs is not None else ()
         for slot in invalid:
             cache.drop(slot)
         fresh = cache.add(responses)
         cached = self._cached
-        if not cached:
+        if not cached or (fresh and not invalid and not self.neg.joined and not self.neg.shut):
             return
-        every = not fresh or bool(self.neg.joined or self.neg.shut)
-        announced = {a.name for m in msgs for a in m.anns} if msgs is not None else ()
         slots = cache.slots
-        waiting = [(s, r) for s, r in cached.items()] + [
-            (s, r) for s, q in self._queued.items() for r in q]
-        back = [r for s, r in waiting if every or r.ann.name in announced or s >= len(slots)
-                or slots[s] is None or cache.keys[s] != cache.key(r.ann)]
-        if not back:
-            return
-        gone = {id(r) for r in back}
-        for s in list(cached):
-            if id(cached[s]) in gone:
-                del cached[s]
-                self._demoted.discard(s)
-        for s in list(self._queued):
-            q = deque(r for r in self._queued[s] if id(r) not in gone)
-            if q and s not in cached:
-                cached[s] = q.popleft()
-            if q:
-                self._queued[s] = q
-            else:
-                del self._queued[s]
-        for r in sorted(back, key=lambda r: r.t_submit, reverse=True):
-            self._new.appendleft(r)
+        back = [s for s, r in cached.items() if not fresh or self.neg.joined or self.neg.shut
+                or s >= len(slots) or slots[s] is None or slots[s].first != r.ann]
+        for slot in sorted(back, reverse=True):
+            self._new.appendleft(cached.pop(slot))
+            self._demoted.discard(slot)
 
     # ------------------------------------------------------------------ negotiation
     def _post_exchange(self, msg: RankMsg) -> None:
