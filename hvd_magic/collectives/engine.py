@@ -72,6 +72,7 @@ class Engine:
         # with HOROVOD_CACHE_CAPACITY=0 every cycle is the full messages' allgather alone.
         self.cache = ResponseCache(config.cache_capacity) if config.cache_capacity > 0 else None
         self._cached: dict = {}      # slot -> this rank's LocalReq announced by that bit
+        self._queued: dict = {}      # slot -> deque of later LocalReqs of that slot
         self._invalid: list = []     # slots to invalidate in the next message
         self._demoted: set = set()   # slots this rank asked to invalidate (waited too long)
         self._vec = None             # the bit vector's receive buffer, reused
@@ -307,17 +308,16 @@ class Engine:
         pop = self._new.popleft
         cache = self.cache
         if cache is not None and cache.by_ann and not (self.neg.joined or self.neg.shut):
-            cached = self._cached
+            cached, announced = self._cached, self.neg.pending
             while self._new:
                 r = pop()
-                slot = cache.by_ann.get(r.ann)
-                if slot is not None:
+                slot = cache.slot(r.ann)
+                if slot is None or r.ann.name in announced:   # (another rank announced it
+                    new.append(r)                             # in full: its metadata differ)
+                elif slot in cached:       # (unnamed calls of one slot: in turn)
+                    self._queued.setdefault(slot, deque()).append(r)
+                else:
                     cached[slot] = r
-                    continue
-                stale = cache.stale(r.ann)
-                if stale is not None:      # same name, other metadata: every rank drops it
-                    self._invalid.append(stale)
-                new.append(r)
         else:
             while self._new:
                 new.append(pop())
@@ -445,15 +445,26 @@ class Engine:
 
     def _take_ready(self, ready: tuple) -> tuple:
         """The response cache's ready requests as (responses, fusion plan); this rank no
-        longer announces them."""
+        longer announces them (the next of a slot's waiting unnamed calls takes its bit)."""
         if not ready:
             return [], []
-        cached = self._cached
-        for slot, _ in ready:
-            del cached[slot]
+        cached, queued = self._cached, self._queued
+        responses = []
+        for slot, resp in ready:
+            req = cached.pop(slot)
+            name = req.ann.name
+            if resp.name != name:       # an unnamed call: this one's number
+                resp.name = name
+                if resp.kind != "allreduce":    # (their backends label from these)
+                    resp.anns = {r: a._replace(name=name) for r, a in resp.anns.items()}
+            responses.append(resp)
             self._demoted.discard(slot)
+            later = queued.get(slot)
+            if later:
+                cached[slot] = later.popleft()
+                if not later:
+                    del queued[slot]
         self.cache.hits += len(ready)
-        responses = [resp for _, resp in ready]
         if len(responses) == 1:
             return responses, None
         key = (self.cache.version, tuple(slot for slot, _ in ready))
@@ -467,22 +478,42 @@ class Engine:
 
     def _update_cache(self, msgs: Optional[list], responses: list) -> None:
         """After a negotiated cycle, alike on every rank: drop the slots some rank
-        invalidated, keep this cycle's decisions; a request of this rank whose slot went
-        (or every one, while a rank has joined or shut down) is announced in full next."""
+        invalidated, keep this cycle's decisions. This rank's cached requests go back to
+        the full messages when their slot went or changed, when another rank announced the
+        same request in full (its metadata differ there), or, all of them, while a rank
+        has joined or shut down and when the cache started again."""
         cache = self.cache
         invalid = sorted({s for m in msgs for s in m.invalid}) if msgs is not None else ()
         for slot in invalid:
             cache.drop(slot)
         fresh = cache.add(responses)
         cached = self._cached
-        if not cached or (fresh and not invalid and not self.neg.joined and not self.neg.shut):
+        if not cached:
             return
+        every = not fresh or bool(self.neg.joined or self.neg.shut)
+        announced = {a.name for m in msgs for a in m.anns} if msgs is not None else ()
         slots = cache.slots
-        back = [s for s, r in cached.items() if not fresh or self.neg.joined or self.neg.shut
-                or s >= len(slots) or slots[s] is None or slots[s].first != r.ann]
-        for slot in sorted(back, reverse=True):
-            self._new.appendleft(cached.pop(slot))
-            self._demoted.discard(slot)
+        waiting = [(s, r) for s, r in cached.items()] + [
+            (s, r) for s, q in self._queued.items() for r in q]
+        back = [r for s, r in waiting if every or r.ann.name in announced or s >= len(slots)
+                or slots[s] is None or cache.keys[s] != cache.key(r.ann)]
+        if not back:
+            return
+        gone = {id(r) for r in back}
+        for s in list(cached):
+            if id(cached[s]) in gone:
+                del cached[s]
+                self._demoted.discard(s)
+        for s in list(self._queued):
+            q = deque(r for r in self._queued[s] if id(r) not in gone)
+            if q and s not in cached:
+                cached[s] = q.popleft()
+            if q:
+                self._queued[s] = q
+            else:
+                del self._queued[s]
+        for r in sorted(back, key=lambda r: r.t_submit, reverse=True):
+            self._new.appendleft(r)
 
     # ------------------------------------------------------------------ negotiation
     def _post_exchange(self, msg: RankMsg) -> None:
