@@ -72,6 +72,15 @@ class TensorFlowKerasState(_VariablesState):
         opt_vars = list(getattr(opt, "variables", []) or []) if opt is not None else []
         return list(self.model.variables) + opt_vars
 
+    def sync(self) -> None:
+        # A rank that joined a growing job has applied no step yet, so its optimizer has no
+        # slot variables (Adam's moments, ...) while the others have: build them first, so
+        # every rank broadcasts the same list of variables.
+        opt = self.optimizer
+        if opt is not None and getattr(opt, "built", True) is False and hasattr(opt, "build"):
+            opt.build(self.model.trainable_variables)
+        super().sync()
+
 
 class TensorFlowState(_VariablesState):
     """A list of ``tf.Variable`` plus picklable attributes. ``session`` (TF1) is not supported:

@@ -8,7 +8,7 @@ MODE ``tape``: a ``tf.function`` step with ``hvd.DistributedGradientTape``; at t
 both ranks, the weights equal one process replaying the same global batches (rank 0's first
 weights; each rank starts from different ones, so equal weights come of the syncs).
 MODE ``keras``: ``model.fit`` of a model with a ``SyncBatchNormalization`` layer, with the
-Keras ``DistributedOptimizer`` and Horovod's elastic callbacks; at the end, both ranks hold
+Keras ``DistributedOptimizer`` (Adam) and Horovod's elastic callbacks; at the end, both ranks hold
 the same weights (moving statistics included) and the loss went down.
 
 usage: elastic_grow_tf.py SLOTS MODE   (prints 'elastic tf OK' on each rank; 'JOINED' on the
@@ -112,8 +112,11 @@ else:
     # train function that runs on after the growth
     model = keras.Sequential([keras.Input((4,)), hvd.SyncBatchNormalization(),
                               keras.layers.Dense(1)])
-    model.compile(optimizer=hvd_keras.DistributedOptimizer(keras.optimizers.SGD(LR)), loss="mse")
-    state = elastic.KerasState(model, epoch=0, batch=0, sizes=[])
+    # Adam: the joined rank's optimizer has no slots before its first step
+    model.compile(optimizer=hvd_keras.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss="mse")
+    # the loss of rank 0's first weights (a joined rank gets it with the first sync)
+    state = elastic.KerasState(model, epoch=0, batch=0, sizes=[],
+                               start_loss=float(model.evaluate(X, Y, verbose=0)))
 
     class Grow(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
@@ -128,14 +131,13 @@ else:
                              elastic.UpdateBatchStateCallback(state),
                              elastic.UpdateEpochStateCallback(state)])
 
-    before = float(model.evaluate(X, Y, verbose=0))
     train(state)
     if state.sizes[:GROW_AT] != [1] * GROW_AT or 2 not in state.sizes:
         fails.append(f"ranks per step {state.sizes}: not 1 then 2")
     same_everywhere(model.weights, "at the end")
     after = float(model.evaluate(X, Y, verbose=0))
-    if not after < before:
-        fails.append(f"loss {after} did not go down from {before}")
+    if not after < state.start_loss:
+        fails.append(f"loss {after} did not go down from {state.start_loss}")
 
 if hvd.size() != 2:
     fails.append(f"ended on {hvd.size()} ranks, not 2")
