@@ -145,8 +145,11 @@ def test_tensorflow_distributed_optimizer_one_rank(one_rank):
     assert w.numpy().tolist() == pytest.approx([2.4])
     keras_opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Sum)
     assert isinstance(keras_opt, keras.optimizers.SGD) and hk.is_distributed(keras_opt)
-    with pytest.raises(ValueError, match="DistributedGradientTape"):
-        hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), op=hvd.Adasum)
+    ada = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), op=hvd.Adasum)
+    assert isinstance(ada, tf.compat.v1.train.Optimizer) and ada.get_name() == \
+        "DistributedDeltaGradientDescentOptimizer"
+    with pytest.raises(ValueError, match="Adasum"):
+        hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Adasum)
     with pytest.raises(ValueError, match="gradient_predivide_factor"):
         hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), op=hvd.Sum,
                                  gradient_predivide_factor=2.0)

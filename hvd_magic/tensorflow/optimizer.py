@@ -108,6 +108,80 @@ class _DistributedOptimizer(_LegacyOptimizer):
         return self._optimizer.variables(*args, **kwargs)
 
 
+class _DistributedAdasumOptimizer(_LegacyOptimizer):
+    """Wraps a ``tf.compat.v1.train.Optimizer`` for ``op=hvd.Adasum``, as Horovod's class of
+    the same name: each rank applies its own gradients, then the change of every variable
+    since the last communication (its delta) is combined over the ranks with Adasum and
+    added to the variable's value at that communication; with ``backward_passes_per_step=k``
+    on every k-th step only."""
+
+    def __init__(self, optimizer: Any, name: Optional[str] = None, use_locking: bool = False,
+                 device_dense: str = "", device_sparse: str = "",
+                 compression: type[Compressor] = Compression.none,
+                 backward_passes_per_step: int = 1):
+        if name is None:
+            name = f"DistributedDelta{type(optimizer).__name__}"
+        super().__init__(name=name, use_locking=use_locking)
+        self._optimizer = optimizer
+        self._hvd_reducer = GradientReducer(compression, Adasum, 1.0, True, 0, None,
+                                            f"{name}.deltas", "DistributedOptimizer")
+        self._passes = backward_passes_per_step
+        self._starts: dict = {}       # variable key -> its value at the last communication
+        with tf.init_scope():
+            self._step_count = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                           name="hvd_adasum_step_count")
+
+    def _start(self, var: Any) -> Any:
+        key = var_key(var)
+        if key not in self._starts:
+            with tf.init_scope():
+                self._starts[key] = tf.Variable(tf.zeros(var.shape, var.dtype), trainable=False,
+                                                name="hvd_delta_start")
+        return self._starts[key]
+
+    def compute_gradients(self, *args: Any, **kwargs: Any) -> list:
+        """The wrapped optimizer's (local) gradients."""
+        return self._optimizer.compute_gradients(*args, **kwargs)
+
+    def apply_gradients(self, grads_and_vars: Any, global_step: Any = None,
+                        name: Optional[str] = None) -> Any:
+        """The wrapped optimizer's update with this rank's gradients, then (every
+        ``backward_passes_per_step``-th step) the Adasum of the ranks' deltas."""
+        pairs = list(grads_and_vars)
+        variables = [v for g, v in pairs if g is not None]
+        starts = [self._start(v) for v in variables]
+        first = tf.equal(self._step_count, 0)
+        init = tf.cond(first, lambda: tf.group(*[s.assign(v) for s, v in zip(starts, variables)]),
+                       tf.no_op)
+        with tf.control_dependencies([init]):
+            update = self._optimizer.apply_gradients(pairs, global_step=global_step, name=name)
+
+        def communicate() -> Any:
+            deltas = [tf.convert_to_tensor(v) - s for v, s in zip(variables, starts)]
+            combined = self._hvd_reducer.reduce(deltas)
+            new = [s.assign_add(c) for s, c in zip(starts, combined)]
+            return tf.group(*[v.assign(n) for v, n in zip(variables, new)])
+
+        with tf.control_dependencies([update]):
+            is_comm = tf.equal(self._step_count % self._passes, self._passes - 1)
+            done = tf.cond(is_comm, communicate, tf.no_op)
+        with tf.control_dependencies([done]):
+            counted = self._step_count.assign_add(1)
+        return None if tf.executing_eagerly() else counted.op
+
+    def get_slot(self, var: Any, name: str) -> Any:
+        """The wrapped optimizer's ``get_slot``."""
+        return self._optimizer.get_slot(var, name)
+
+    def get_slot_names(self) -> Any:
+        """The wrapped optimizer's ``get_slot_names``."""
+        return self._optimizer.get_slot_names()
+
+    def variables(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped optimizer's ``variables``."""
+        return self._optimizer.variables(*args, **kwargs)
+
+
 def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, use_locking: bool = False,
                          device_dense: str = "", device_sparse: str = "",
                          compression: type[Compressor] = Compression.none,
@@ -121,12 +195,14 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, use_locking
     A ``tf.compat.v1.train.Optimizer`` (graph mode, or eager with a callable loss) is wrapped
     in an optimizer of that base class: ``compute_gradients`` (and so ``minimize``) returns
     the reduced gradients, ``apply_gradients``, ``get_slot``, ``get_slot_names`` and
-    ``variables`` are the wrapped optimizer's. A Keras optimizer is handed to
+    ``variables`` are the wrapped optimizer's. With ``op=hvd.Adasum`` each rank applies its
+    own gradients and the variables' changes since the last communication are combined
+    with Adasum (every ``backward_passes_per_step``-th step), as Horovod's. A Keras optimizer is handed to
     :func:`hvd_magic.keras.DistributedOptimizer`, as Horovod does (``use_locking`` does not
     apply to it).
 
     ``name`` defaults to ``"Distributed" + the optimizer's class name``; ``compression``,
-    ``sparse_as_dense``, ``op`` (hvd.Average or hvd.Sum), ``gradient_predivide_factor``,
+    ``sparse_as_dense``, ``op`` (hvd.Average, hvd.Sum or hvd.Adasum), ``gradient_predivide_factor``,
     ``groups`` and ``process_set`` are as in
     :func:`hvd_magic.tensorflow.DistributedGradientTape`; ``num_groups`` is Horovod's
     deprecated name of ``groups=<int>``; ``backward_passes_per_step=k`` sums k passes locally
@@ -153,9 +229,12 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, use_locking
             groups = num_groups
     if isinstance(optimizer, _LegacyOptimizer):
         if op == Adasum:
-            raise ValueError("hvd_magic's DistributedOptimizer of a tf.compat.v1.train optimizer "
-                             "does not take op=hvd.Adasum; use op=hvd.Average, or a training "
-                             "step with hvd.DistributedGradientTape(tape, op=hvd.Adasum)")
+            if process_set.process_set_id != 0:
+                raise NotImplementedError("op=hvd.Adasum does not take a process set (nor does "
+                                          "Horovod's DistributedOptimizer); reduce over all ranks")
+            return _DistributedAdasumOptimizer(optimizer, name, use_locking, device_dense,
+                                               device_sparse, compression,
+                                               backward_passes_per_step)
         return _DistributedOptimizer(optimizer, name=name, use_locking=use_locking,
                                      device_dense=device_dense, device_sparse=device_sparse,
                                      compression=compression, sparse_as_dense=sparse_as_dense,

@@ -6,7 +6,8 @@ batch; the weights equal one process training on the whole batch, on every rank.
 - compute_gradients() returns the averaged gradients, apply_gradients() applies them;
 - backward_passes_per_step=2 with a global_step: applied on every second pass (the sum of
   the two passes' averaged gradients), global_step counts every pass, as in Horovod;
-- register_local_var: that variable's gradient stays local, divided by the number of ranks.
+- register_local_var: that variable's gradient stays local, divided by the number of ranks;
+- op=hvd.Adasum: each rank's own step, then the ranks' changes combined with Adasum.
 
 usage: tf_v1_optimizer.py   (each rank prints 'done, 0 failures')"""
 import os
@@ -130,6 +131,28 @@ def _():
     w_here = W0 + r
     local = 2 * X[mine].T @ (X[mine] @ w_here - Y[mine]) / 4
     close("register_local_var: local gradient / size", got, local / n, atol=1e-5)
+
+
+@check("Adasum")
+def _():
+    import hvd_magic.collectives as C
+    g = tf.Graph()
+    w, loss = model(g)
+    with g.as_default():
+        opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(LR),
+                                       op=hvd.Adasum)
+        train = opt.minimize(loss)
+        init, bcast = tf.compat.v1.global_variables_initializer(), hvd.broadcast_global_variables(0)
+    with tf.compat.v1.Session(graph=g) as sess:
+        sess.run(init)
+        sess.run(bcast)
+        want = W0.copy()
+        for step in range(2):
+            sess.run(train)
+            # this rank's own SGD step, the ranks' changes combined with Adasum
+            delta = -LR * 2 * X[mine].T @ (X[mine] @ want - Y[mine]) / 4
+            want = want + C.allreduce(delta.astype(np.float32), op=C.Adasum, name=f"ref{step}")
+            close(f"Adasum: weights after step {step + 1}", sess.run(w), want, atol=1e-5)
 
 
 finish(hvd)
