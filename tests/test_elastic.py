@@ -158,6 +158,37 @@ def test_an_elastic_pool_finishes_the_cell_on_the_survivors_and_keeps_them():
         manager.stop()
 
 
+def test_a_rank_whose_training_raises_leaves_an_elastic_pool_and_the_others_go_on():
+    """Horovod treats a worker's exception as that worker's failure: in a notebook pool the
+    other ranks finish the cell from the last commit, the failed rank's engine leaves, and
+    the pool goes on with the others, the failure named."""
+    from hvd_magic.kernel import PoolManager, TextSink
+    cell = POOL_CELL.replace("os.kill(os.getpid(), signal.SIGKILL)",
+                             "raise ValueError('bad batch')")
+
+    class Sink(TextSink):
+        def __init__(self):
+            super().__init__()
+            self.lines = []
+
+        def status(self, text):
+            self.lines.append(text)
+
+    manager = PoolManager()
+    try:
+        pool = manager.ensure(3, None, None, TextSink(), min_np=2)
+        sink = Sink()
+        out = pool.run_cell(cell, sink)
+        assert [out.results[r]["text/plain"] for r in (0, 1)] == ["(0, 2, 20)", "(1, 2, 20)"]
+        assert any(s == "hvd: rank 2 failed (ValueError: bad batch) and left the job; the pool "
+                   "goes on with 2 ranks, renumbered 0..1" for s in sink.lines), sink.lines
+        assert pool.size == 2 and pool.alive()
+        again = pool.run_cell("hvd.rank(), hvd.size()", TextSink())
+        assert [again.results[r]["text/plain"] for r in (0, 1)] == ["(0, 2)", "(1, 2)"]
+    finally:
+        manager.stop()
+
+
 def test_an_elastic_pool_ends_as_before_when_the_cell_does_not_use_elastic_run():
     from hvd_magic.kernel import PoolManager, RankDiedError, TextSink
     manager = PoolManager()

@@ -109,3 +109,12 @@ def test_a_death_beside_an_exception_is_not_survived():
 def test_a_job_that_ended_is_not_elastic_any_more():
     v = judge(seen(elastic=True, job_ended="mpiexec exited with code 1", cell=[died(1)]))
     assert v.action == STOP
+
+
+def test_a_rank_whose_training_raised_left_and_the_elastic_pool_goes_on_naming_it():
+    left = RankFailure(1, "died", liveness.LEFT, "failed (ValueError: bad batch) and left the job")
+    exits = [RankExit(1, "exited without MPI_Finalize (os._exit or a crash) on a")]
+    v = judge(seen(elastic=True, exits=exits, cell=[left]))
+    assert v.action == GO_ON and v.lost == (1,)
+    assert v.text == ("hvd: rank 1 failed (ValueError: bad batch) and left the job; the pool "
+                      "goes on with 2 ranks, renumbered 0..1")

@@ -52,6 +52,30 @@ from .state import _state, shutdown, start
 #: Seconds between two runs of the host discovery script (Horovod's driver polls it as often).
 DISCOVERY_INTERVAL_S = 1.0
 
+class FailedRankExit(SystemExit):
+    """Raised on a rank whose training function raised inside :func:`run` while enough ranks
+    go on: the rank leaves the job (exit status 0, so that ``mpiexec`` keeps the others
+    running); ``str()`` says what failed. In a ``%%hvd`` pool the engine then exits and
+    the pool goes on without it (:func:`on_leave`)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(0)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+#: Called (no arguments) on a rank just before it leaves the job (:func:`on_leave`).
+_leave_hooks: List[Callable[[], None]] = []
+
+
+def on_leave(hook: Callable[[], None]) -> None:
+    """Run ``hook()`` on this rank when it leaves an elastic job after its own failure (a
+    pool engine uses it to exit once its cell has answered)."""
+    _leave_hooks.append(hook)
+
+
 class HostsUpdatedInterrupt(RuntimeError):
     """Hosts were added or removed; ``skip_sync``: the state needs no new broadcast.
     ``size``: the number of ranks the job changes to (None when raised by user code)."""
@@ -555,11 +579,13 @@ def _after_loss(state: State, reset: Callable, t0: float,
         if n < max(env.get("HVD_MAGIC_ELASTIC_MIN_NP"), 1):
             raise failure
         traceback.print_exception(type(failure), failure, failure.__traceback__)
-        sys.stderr.write(f"[hvd_magic] elastic: rank {_state.rank} failed "
-                         f"({failure_text(failure)}) and leaves the job; {n} rank(s) go on "
+        text = f"failed ({failure_text(failure)}) and left the job"
+        sys.stderr.write(f"[hvd_magic] elastic: rank {_state.rank} {text}; {n} rank(s) go on "
                          "without it\n")
         sys.stderr.flush()
-        raise SystemExit(0)
+        for hook in _leave_hooks:
+            hook()
+        raise FailedRankExit(text)
     change = _note_change(t0, lost + sorted(failed), 0, 0, state._hvd_commits)
     change["failed"] = dict(failed)
     if _state.rank == 0:

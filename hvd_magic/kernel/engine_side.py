@@ -22,9 +22,18 @@ def startup() -> None:
         import hvd_magic.collectives as hvd
         if not hvd.is_initialized():
             hvd.init()
+        from hvd_magic.collectives import elastic
+        elastic.on_leave(_exit_soon)
     except BaseException as exc:  # noqa: BLE001 - reported by %hvd status, never fatal
         init_error = f"{type(exc).__name__}: {exc}"
         sys.stderr.write(f"hvd_magic: hvd.init() failed on this rank: {init_error}\n")
+
+
+def _exit_soon() -> None:
+    """This engine leaves the pool: exit once the cell's reply is out (as a rank that
+    ``%hvd resize`` sends away does)."""
+    import threading
+    threading.Timer(0.3, os._exit, (0,)).start()
 
 
 def joined() -> bool:
@@ -40,12 +49,11 @@ def resize(n: int) -> str:
     """Every rank of an elastic pool at once: grow the pool to ``n`` ranks (the new engines
     are spawned and merged in) or shrink it (ranks ``n`` and up leave: this engine exits
     right after answering). Returns ``"stays"`` or ``"leaves"``."""
-    import threading
     from hvd_magic.collectives import elastic
     try:
         elastic.resize(n)
     except SystemExit:
-        threading.Timer(0.3, os._exit, (0,)).start()
+        _exit_soon()
         return "leaves"
     return "stays"
 

@@ -17,7 +17,8 @@ The rules, in order:
 * A rank stopped answering the heartbeat: on an elastic pool, a rank whose process exited
   is lost and the others go on; otherwise it is *paused* (a debugger, SIGSTOP, a frozen
   host or a cut link), the cell ends naming it and the pool stops.
-* A rank's engine was lost (its task ended with ``EngineError``): on an elastic pool
+* A rank's engine was lost (its task ended with ``EngineError``), or its training raised
+  inside ``hvd.elastic.run`` and it left the job (``FailedRankExit``): on an elastic pool
   whose every other failure is also a lost rank, and with at least ``--min-np`` ranks
   left, they go on, renumbered; else the pool stops.
 """
@@ -35,6 +36,10 @@ SETTLE = "settle"        # a rank is gone: stop waiting (after ``grace`` s) and 
 GO_ON = "go on"          # an elastic pool: the lost ranks are dropped, the others go on
 STOP = "stop"            # the pool must stop; raise the verdict's failures
 OK = "ok"                # the cell ended and every rank is alive
+
+#: The exception of a rank whose training raised inside ``hvd.elastic.run`` and that left
+#: the job while the others go on (``hvd_magic.collectives.elastic.FailedRankExit``).
+LEFT = "FailedRankExit"
 
 #: After ``mpiexec`` exited, its ranks' results are already on their way: wait this long.
 RESULTS_GRACE_S = 0.1
@@ -97,7 +102,8 @@ def _after_cell(seen: Seen, failures: List[RankFailure]) -> Verdict:
         left = [r for r in range(seen.size) if r not in died]
         if len(died) == len(failures) and len(left) >= max(1, seen.min_np):
             exits = _exits_by_engine(seen)
-            how = {r: exits.get(_engine(seen, r), "died") for r in died}
+            how = {f.rank: f.evalue if f.ename == LEFT else exits.get(_engine(seen, f.rank), "died")
+                   for f in failures}
             text = (f"hvd: {'; '.join(f'rank {r} {how[r]}' for r in died)}; the pool goes on "
                     f"with {n_ranks(len(left))}, renumbered 0..{len(left) - 1}")
             return Verdict(GO_ON, lost=tuple(died), how=how, text=text)

@@ -396,6 +396,9 @@ class Pool:
             if engine_lost(err) or (err is None and not rank_done(ar, i)):
                 died = True
                 failures.append(RankFailure(r, "died", "EngineError", "rank ended"))
+            elif getattr(err, "ename", "") == liveness.LEFT and self.elastic():
+                died = True     # its training raised; it left the job (its engine exits)
+                failures.append(RankFailure(r, "died", liveness.LEFT, str(err.evalue)))
             elif err is not None:
                 tb = getattr(err, "traceback", None) or ""
                 failures.append(RankFailure(r, "error", getattr(err, "ename", type(err).__name__),
