@@ -57,6 +57,10 @@ _VARS = [
     Var("HOROVOD_CPU_OPERATIONS", "choice", "mpi",
         "how CPU tensors are reduced: MPI (mpi4py), or torch.distributed with gloo (the "
         "code path CUDA tensors take with NCCL)", choices=("mpi", "gloo")),
+    Var("HOROVOD_GPU_OPERATIONS", "choice", "nccl",
+        "how CUDA tensors are reduced: NCCL (torch.distributed) when every rank has a GPU of "
+        "its own, else copied to host memory and reduced over MPI; MPI: always through host "
+        "memory", choices=("nccl", "mpi")),
     Var("HOROVOD_AUTOTUNE", "bool", False,
         "1: rank 0 tries fusion thresholds and cycle times during the first steps of "
         "training, scored by measured throughput, then keeps the best; a knob set explicitly "

@@ -3,8 +3,9 @@
 The engine decides, in the same order on every rank, which requests are ready (the
 ``Response`` list of one cycle and its fusion plan); the executor takes this rank's
 requests for them out of the table of requests in flight, calls the backend (MPI for CPU
-tensors by default, torch.distributed otherwise), records the negotiate/queue spans in the
-timeline, and resolves each request's :class:`~.handles.Handle`.
+tensors by default; for CUDA tensors torch.distributed with NCCL, or the host path where
+NCCL cannot run), records the negotiate/queue spans in the timeline, and resolves each
+request's :class:`~.handles.Handle`.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Callable, Optional
 
 from mpi4py import MPI
 
+from .. import config as env
 from .config import Config
 from .errors import HvdError, JoinedRankError, ShutdownError, StallError, TensorMismatchError
 from .fusion import Bucket
@@ -32,7 +34,7 @@ class Executor:
     ``take(name)`` removes a request from the table (and forgets its cancel);
     ``take_join()`` removes this rank's pending join handle (or returns None); ``me``: this
     rank's hvd rank; ``set_id``: the process set it runs (errors name both; only the global
-    set, 0, sends device tensors through torch.distributed)."""
+    set, 0, takes device tensors)."""
 
     def __init__(self, comm: MPI.Comm, config: Config, timeline: Timeline, inflight: dict,
                  cancelled: set, take: Callable[[str], Optional[LocalReq]],
@@ -47,24 +49,48 @@ class Executor:
         self.tag = f" (process set {set_id})" if set_id else ""
         self.tl = timeline
         self.cpu_mpi = config.cpu_operations == "mpi"
+        self.gpu_operations = env.get("HOROVOD_GPU_OPERATIONS")
         self.mpi_backend = MPIBackend(comm, timeline, config.allreduce_chunk)
         self._torch_backend = None
+        self._host_path = None   # CUDA tensors: None until chosen, False: NCCL, else a HostPath
         self._inflight = inflight
         self._cancelled = cancelled
         self._take = take
         self._take_join = take_join
 
-    def backend(self, device: str):
+    def backend(self, device: str, req: Optional[LocalReq] = None):
+        """The backend for tensors on ``device``; ``req``: this rank's request (None on a
+        joined rank), whose tensor's GPU the first CUDA call uses to choose the path."""
         if device == "cpu" and self.cpu_mpi:
             return self.mpi_backend
+        if self.set_id:
+            raise HvdError("process sets other than the global one run on CPU tensors over "
+                           "MPI only in hvd_magic; use hvd.global_process_set for "
+                           f"{device} tensors")
+        if device == "cuda":
+            if self._host_path is None:
+                self._host_path = self._choose_cuda_path(req)
+            if self._host_path:
+                return self._host_path
         if self._torch_backend is None:
-            if self.set_id:
-                raise HvdError("process sets other than the global one run on CPU tensors over "
-                               "MPI only in hvd_magic; use hvd.global_process_set for "
-                               f"{device} tensors")
             from .backends.torch_dist import TorchBackend
             self._torch_backend = TorchBackend(self.comm, self.tl)
         return self._torch_backend
+
+    def _choose_cuda_path(self, req: Optional[LocalReq]):
+        """The host path (a :class:`HostPath`), or False for NCCL (:func:`cuda_path`: NCCL
+        needs every rank on a GPU of its own); once per executor, at its first CUDA call,
+        which every rank makes at the same point of the same cycle (collective: one
+        allgather of each rank's setting and GPU)."""
+        from .backends.torch_dist import HostPath, cuda_path, gpu_identity
+        device = getattr(req.tensor, "device", None) if req is not None else None
+        try:
+            gpu = gpu_identity(device)
+        except Exception:  # noqa: BLE001 - counted as a rank without NCCL: host path
+            gpu = None     # (and every rank still reaches the allgather below)
+        if cuda_path(self.comm.allgather((self.gpu_operations, gpu))) == "nccl":
+            return False
+        return HostPath(self.mpi_backend, self.tl)
 
     def close(self) -> None:
         """Release the shared-memory segment and the torch.distributed group, if one was
@@ -112,7 +138,7 @@ class Executor:
             self._queue_events(entries, decided)
         try:
             # joined ranks count as zeros: Average divides by every rank, as Horovod's does
-            self.backend(entries[0][1].device).allreduce(entries, self.size)
+            self.backend(entries[0][1].device, reqs[0]).allreduce(entries, self.size)
             err = None
         except Exception as exc:  # noqa: BLE001
             names = ", ".join(r.name for r in responses)
@@ -157,13 +183,13 @@ class Executor:
             if kind == "barrier":
                 req.result = None
             elif kind == "allgather":
-                self.backend(device).allgather(req, resp.anns, self.size)
+                self.backend(device, req).allgather(req, resp.anns, self.size)
             elif kind in ("broadcast", "broadcast_object"):
-                self.backend(device).broadcast(req, resp.anns)
+                self.backend(device, req).broadcast(req, resp.anns)
             elif kind == "alltoall":
-                self.backend(device).alltoall(req, resp.anns)
+                self.backend(device, req).alltoall(req, resp.anns)
             elif kind == "reducescatter":
-                self.backend(device).reducescatter(req, resp.anns)
+                self.backend(device, req).reducescatter(req, resp.anns)
             else:
                 raise HvdError(f"unknown operation {kind!r}")
             err = None

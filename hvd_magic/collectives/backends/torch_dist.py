@@ -1,4 +1,5 @@
-"""torch.distributed backend: NCCL for CUDA tensors, gloo for CPU tensors.
+"""torch.distributed backend: NCCL for CUDA tensors, gloo for CPU tensors; and the host
+path for CUDA tensors where NCCL cannot run (:class:`HostPath`, chosen by :func:`cuda_path`).
 
 The process group is set up from the engine's MPI communicator: rank 0 opens a
 ``TCPStore`` (on 127.0.0.1 when every rank is on one host, else at
@@ -7,6 +8,11 @@ needed. The same code runs with gloo on
 CPU tensors (``HOROVOD_CPU_OPERATIONS=gloo``), which is how the tests exercise the
 path that NCCL takes on GPUs. What only a GPU can show (NCCL itself, CUDA streams)
 is marked in the tests as ``gpu``.
+
+NCCL needs a GPU of its own for every rank: it refuses two ranks on one device (a 2-rank
+job on a 1-GPU machine). There, or with ``HOROVOD_GPU_OPERATIONS=MPI``, CUDA tensors are
+copied into host memory, go through the MPI backend, and come back to their device, as
+Horovod's MPI GPU operations do with their host buffer.
 """
 from __future__ import annotations
 
@@ -14,12 +20,13 @@ import datetime
 import math
 import os
 import socket
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from ... import config as env
 from .. import ops
+from ..handles import LocalReq
 from ..ops import ReduceOp
 from ..timeline import MEMCPY_IN, MEMCPY_OUT, now_us
 from .common import row_elems, scatter_rows
@@ -80,6 +87,117 @@ def rendezvous_addr() -> str:
                        "GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME (hvdrun --network-interface eth0)")
 
 
+def cuda_path(ranks: Sequence[tuple]) -> str:
+    """How CUDA tensors travel: ``"nccl"`` (torch.distributed) when every rank has a GPU of
+    its own and none has ``HOROVOD_GPU_OPERATIONS=MPI``, else ``"host"`` (:class:`HostPath`).
+    ``ranks``: each rank's (``HOROVOD_GPU_OPERATIONS`` value, "nccl" or "mpi"; its
+    :func:`gpu_identity`, None for a rank that cannot run NCCL). Every rank decides from the
+    same list, so all decide alike."""
+    gpus = [gpu for _, gpu in ranks]
+    if any(ops == "mpi" for ops, _ in ranks) or None in gpus or len(set(gpus)) < len(gpus):
+        return "host"
+    return "nccl"
+
+
+def gpu_identity(device: Any = None) -> Optional[tuple]:
+    """(host name, GPU UUID) of ``device`` (a ``torch.device``; default: this thread's
+    current CUDA device), or None where NCCL cannot run (no CUDA GPU, or no NCCL in this
+    PyTorch build). Without the UUID (older PyTorch) the device index stands in for it:
+    ranks whose different GPUs have the same index then take the host path, which is slower
+    but never wrong."""
+    try:
+        torch, dist = _torch()
+    except (ImportError, RuntimeError):
+        return None
+    if not (torch.cuda.is_available() and dist.is_nccl_available()):
+        return None
+    index = device.index if device is not None else None
+    if index is None:
+        index = torch.cuda.current_device()
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    return (socket.gethostname(), str(uuid) if uuid is not None else f"cuda:{index}")
+
+
+#: Horovod's timeline names of the copies between a GPU tensor and its host buffer.
+MEMCPY_IN_HOST = "MEMCPY_IN_HOST_BUFFER"
+MEMCPY_OUT_HOST = "MEMCPY_OUT_HOST_BUFFER"
+
+
+class HostPath:
+    """Collectives of device tensors through host memory: each tensor is copied into a host
+    buffer, ``mpi`` (the MPI backend) runs the collective on it (in place for allreduce and
+    broadcast), and the result is copied back to the tensor's device, or into the caller's
+    tensor for an in-place call. Nothing here is specific to CUDA: a CPU tensor's copies
+    are plain host copies."""
+
+    def __init__(self, mpi: Any, timeline: Any):
+        self.mpi = mpi
+        self.tl = timeline
+
+    @staticmethod
+    def _in(req: Any, inplace: bool) -> LocalReq:
+        """A request on a host copy of ``req``'s tensor, with ``req``'s handle (allgather and
+        alltoall leave the rows per rank on it); ``inplace``: the result goes into that copy."""
+        t = req.tensor.detach()
+        host = t.new_empty(t.shape, device="cpu").copy_(t)
+        return LocalReq(req.ann, host, req.handle, out=host if inplace else None)
+
+    @staticmethod
+    def _out(req: Any, host_req: LocalReq) -> None:
+        """``host_req``'s result to ``req``: into the caller's tensor, else on its device."""
+        res = host_req.result
+        if req.out is not None:
+            req.out.copy_(res.reshape(req.out.shape))
+            req.result = req.out
+        else:
+            req.result = res.to(req.tensor.device)
+
+    def _run(self, name: str, req: Any, inplace: bool, call: Any) -> None:
+        """One request: copy in, ``call(host request)``, copy out, with their timeline spans
+        (each recorded before the next phase starts: the timeline file keeps them in the
+        order they were recorded)."""
+        tl = self.tl.active
+        t0 = now_us() if tl else 0.0
+        host_req = self._in(req, inplace)
+        if tl:
+            self.tl.add(name, MEMCPY_IN_HOST, t0, now_us() - t0)
+        call(host_req)
+        t2 = now_us() if tl else 0.0
+        self._out(req, host_req)
+        if tl:
+            self.tl.add(name, MEMCPY_OUT_HOST, t2, now_us() - t2)
+
+    def allreduce(self, entries: list, n_contrib: int) -> None:
+        tl = self.tl.active
+        t0 = now_us() if tl else 0.0
+        host = [(None if req is None else self._in(req, True), ann) for req, ann in entries]
+        if tl:
+            t1 = now_us()
+            for _, ann in entries:
+                self.tl.add(ann.name, MEMCPY_IN_HOST, t0, t1 - t0)
+        self.mpi.allreduce(host, n_contrib)
+        t2 = now_us() if tl else 0.0
+        for (req, _), (host_req, _) in zip(entries, host):
+            if req is not None:
+                self._out(req, host_req)
+        if tl:
+            t3 = now_us()
+            for _, ann in entries:
+                self.tl.add(ann.name, MEMCPY_OUT_HOST, t2, t3 - t2)
+
+    def allgather(self, req: Any, anns: dict, n_ranks: int) -> None:
+        self._run(req.ann.name, req, False, lambda h: self.mpi.allgather(h, anns, n_ranks))
+
+    def broadcast(self, req: Any, anns: dict) -> None:
+        self._run(req.ann.name, req, True, lambda h: self.mpi.broadcast(h, anns))
+
+    def alltoall(self, req: Any, anns: dict) -> None:
+        self._run(req.ann.name, req, False, lambda h: self.mpi.alltoall(h, anns))
+
+    def reducescatter(self, req: Any, anns: dict) -> None:
+        self._run(req.ann.name, req, False, lambda h: self.mpi.reducescatter(h, anns))
+
+
 class TorchBackend:
     """Collectives through torch.distributed (one process group for the engine)."""
 
@@ -91,8 +209,6 @@ class TorchBackend:
         self.size = comm.Get_size()
         self.tl = timeline
         self.group = self._setup(comm)
-        self.cuda = torch.cuda.is_available()
-        self.prefix = "GLOO"
         self._ops = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.AVERAGE: dist.ReduceOp.SUM,
                      ReduceOp.MIN: dist.ReduceOp.MIN, ReduceOp.MAX: dist.ReduceOp.MAX,
                      ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT}
@@ -168,6 +284,25 @@ class TorchBackend:
         else:
             buf.copy_(buf * factor)
 
+    def _device(self, req: Any, ann: Any) -> Any:
+        """Where this rank's buffers go: its CUDA tensor's device, made the engine thread's
+        current device as well (``torch.cuda.set_device`` holds per thread, so the user's
+        choice on the main thread does not reach this one); a rank without a tensor (joined)
+        keeps this thread's current device, set by the tensors before."""
+        torch = self.torch
+        if ann.device != "cuda":
+            return torch.device("cpu")
+        if req is not None and isinstance(req.tensor, torch.Tensor):
+            torch.cuda.set_device(req.tensor.device)
+            return req.tensor.device
+        return torch.device("cuda", torch.cuda.current_device())
+
+    @staticmethod
+    def _prefix(device: Any) -> str:
+        """The timeline's name of the library that carries tensors on ``device`` (Horovod's
+        ``NCCL_ALLREDUCE``, ``GLOO_ALLREDUCE``, ...)."""
+        return "NCCL" if device.type == "cuda" else "GLOO"
+
     def _dtype(self, name: str) -> Any:
         return getattr(self.torch, name)
 
@@ -230,7 +365,7 @@ class TorchBackend:
         ann0 = entries[0][1]
         op = ReduceOp(ann0.op)
         self._dist_op(op, ann0.dtype)           # (Adasum: a ValueError before any work)
-        device = torch.device("cuda", torch.cuda.current_device()) if ann0.device == "cuda" else torch.device("cpu")
+        device = self._device(next((req for req, _ in entries if req is not None), None), ann0)
         red = self._red_dtype(ann0.dtype, ann0.device)
         sizes = [math.prod(a.shape) for _, a in entries]
         tl = self.tl.active
@@ -262,7 +397,7 @@ class TorchBackend:
             for _, ann in entries:
                 if len(entries) > 1:
                     self.tl.add(ann.name, MEMCPY_IN, t0, t1 - t0)
-                self.tl.add(ann.name, f"{self.prefix}_ALLREDUCE", t1, t2 - t1, args)
+                self.tl.add(ann.name, f"{self._prefix(device)}_ALLREDUCE", t1, t2 - t1, args)
                 if len(entries) > 1:
                     self.tl.add(ann.name, MEMCPY_OUT, t2, t3 - t2)
 
@@ -271,7 +406,7 @@ class TorchBackend:
         """(Every rank takes part: an allgather never runs while a rank has joined.)"""
         torch, dist = self.torch, self.dist
         ann0 = next(iter(anns.values()))
-        dev = torch.device("cuda", torch.cuda.current_device()) if ann0.device == "cuda" else torch.device("cpu")
+        dev = self._device(req, ann0)
         dt = torch.uint8 if ann0.dtype == "bool" else self._dtype(ann0.dtype)
         tail = tuple(ann0.shape[1:]) if ann0.shape else ()
         rows = [anns[r].shape[0] if anns[r].shape else 0 for r in range(self.size)]
@@ -283,7 +418,7 @@ class TorchBackend:
         t0 = now_us() if self.tl.active else 0.0
         dist.all_gather(recv, send, group=self.group)
         if self.tl.active:
-            self.tl.add(ann0.name, f"{self.prefix}_ALLGATHER", t0, now_us() - t0)
+            self.tl.add(ann0.name, f"{self._prefix(dev)}_ALLGATHER", t0, now_us() - t0)
         out = torch.cat([recv[r][:rows[r]] for r in range(self.size)], dim=0).to(self._dtype(ann0.dtype))
         req.handle.extra = rows
         self._out(req, out)
@@ -294,7 +429,7 @@ class TorchBackend:
         ann0 = next(iter(anns.values()))
         root = ann0.root
         shape = anns[root].shape
-        dev = torch.device("cuda", torch.cuda.current_device()) if ann0.device == "cuda" else torch.device("cpu")
+        dev = self._device(req, ann0)
         dt = torch.uint8 if ann0.dtype == "bool" else self._dtype(ann0.dtype)
         if self.rank == root:
             buf = self._tensor(req.tensor, ann0.dtype).reshape(shape).to(dt).clone()
@@ -303,7 +438,7 @@ class TorchBackend:
         t0 = now_us() if self.tl.active else 0.0
         dist.broadcast(buf, src=root, group=self.group)
         if self.tl.active:
-            self.tl.add(ann0.name, f"{self.prefix}_BCAST", t0, now_us() - t0)
+            self.tl.add(ann0.name, f"{self._prefix(dev)}_BCAST", t0, now_us() - t0)
         self._out(req, buf.to(self._dtype(ann0.dtype)))
 
     # -------------------------------------------------------------- alltoall
@@ -311,6 +446,7 @@ class TorchBackend:
         torch, dist = self.torch, self.dist
         ann0 = anns[self.rank]
         dt = torch.uint8 if ann0.dtype == "bool" else self._dtype(ann0.dtype)
+        self._device(req, ann0)
         send = self._tensor(req.tensor, ann0.dtype).to(dt).contiguous()
         send_rows = list(ann0.splits)
         recv_rows = [anns[r].splits[self.rank] for r in range(self.size)]
@@ -319,7 +455,7 @@ class TorchBackend:
         dist.all_to_all_single(out, send, output_split_sizes=recv_rows, input_split_sizes=send_rows,
                                group=self.group)
         if self.tl.active:
-            self.tl.add(ann0.name, f"{self.prefix}_ALLTOALL", t0, now_us() - t0)
+            self.tl.add(ann0.name, f"{self._prefix(send.device)}_ALLTOALL", t0, now_us() - t0)
         req.handle.extra = recv_rows
         self._out(req, out.to(self._dtype(ann0.dtype)))
 
@@ -328,6 +464,7 @@ class TorchBackend:
         """Allreduce, then keep this rank's rows (gloo has no reduce_scatter)."""
         ann0 = anns[self.rank]
         op = ReduceOp(ann0.op)
+        self._device(req, ann0)
         t = self._tensor(req.tensor, ann0.dtype)
         red = self._red_dtype(ann0.dtype, ann0.device)
         buf = t.to(red).clone().reshape(-1)
@@ -336,7 +473,7 @@ class TorchBackend:
         t0 = now_us() if self.tl.active else 0.0
         self.dist.all_reduce(buf, op=self._dist_op(op, ann0.dtype), group=self.group)
         if self.tl.active:
-            self.tl.add(ann0.name, f"{self.prefix}_REDUCESCATTER", t0, now_us() - t0)
+            self.tl.add(ann0.name, f"{self._prefix(buf.device)}_REDUCESCATTER", t0, now_us() - t0)
         self._finish(buf, op, ann0.postscale, self.size)
         rows = scatter_rows(ann0.shape[0], self.size)
         re = row_elems(ann0.shape)
