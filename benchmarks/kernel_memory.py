@@ -45,7 +45,7 @@ def main() -> int:
         run("print(list(pids.values()))")
         kernel = km.provisioner.process.pid
         ranks = [c.pid for c in psutil.Process(kernel).children(recursive=True)
-                 if c.cmdline()[1:3] == ["-m", "hvd_magic.kernel._engine"]]
+                 if c.cmdline()[1:3] == ["-m", "hvd_magic.kernel.ranks.engine"]]
         marks, t0 = {}, time.monotonic()
         for i in range(1, args.cells + 1):
             run(CELL.format(flags=flags))

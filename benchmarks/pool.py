@@ -32,7 +32,7 @@ from IPython.testing.globalipapp import start_ipython
 ip = start_ipython()
 ip.run_line_magic("load_ext", "hvd_magic")
 from hvd_magic.magics.magics import HvdMagics
-from hvd_magic.kernel.output import TextSink
+from hvd_magic.kernel.notebook.output import TextSink
 first = []
 class Sink(TextSink):
     def stream(self, rank, name, text):

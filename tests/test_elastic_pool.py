@@ -79,7 +79,7 @@ def engines(want, timeout=5.0):
     """The pool's engine processes, once there are ``want`` of them (or the timeout)."""
     deadline = time.monotonic() + timeout
     while True:
-        found = [p for p in pool_processes() if p.cmdline()[1:3] == ["-m", "hvd_magic.kernel._engine"]]
+        found = [p for p in pool_processes() if p.cmdline()[1:3] == ["-m", "hvd_magic.kernel.ranks.engine"]]
         if len(found) == want or time.monotonic() > deadline:
             return found
         time.sleep(0.1)

@@ -1,10 +1,10 @@
-"""The pool's one liveness decision (hvd_magic.kernel.liveness), event sequence by event
+"""The pool's one liveness decision (hvd_magic.kernel.notebook.liveness), event sequence by event
 sequence, with no process: what a user is told when ranks die, pause or survive. The real
 pools behind these rules are tested in test_pool.py, test_failures.py and test_elastic.py."""
-from hvd_magic.kernel import liveness
-from hvd_magic.kernel.liveness import GO_ON, OK, SETTLE, STOP, WAIT, Seen, judge
-from hvd_magic.kernel.output import RankDiedError, RankFailure
-from hvd_magic.kernel.procs import RankExit, parse_rank_exits
+from hvd_magic.kernel.notebook import liveness
+from hvd_magic.kernel.notebook.liveness import GO_ON, OK, SETTLE, STOP, WAIT, Seen, judge
+from hvd_magic.kernel.notebook.output import RankDiedError, RankFailure
+from hvd_magic.kernel.notebook.procs import RankExit, parse_rank_exits
 
 KILLED = ("prterun noticed that process rank 1 with PID 4242 on node hostA exited on signal 9 "
           "(Killed).")

@@ -10,14 +10,14 @@ import uuid
 import pytest
 
 from hvd_magic.kernel import PoolConfig, PoolManager, TextSink, plan_pool
-from hvd_magic.kernel._engine import gpu_for_local_rank, local_rank_from_env
-from hvd_magic.kernel.output import PoolCellError, RankFailure, group_failures
-from hvd_magic.kernel.procs import parse_rank_exits
+from hvd_magic.kernel.ranks.engine import gpu_for_local_rank, local_rank_from_env
+from hvd_magic.kernel.notebook.output import PoolCellError, RankFailure, group_failures
+from hvd_magic.kernel.notebook.procs import parse_rank_exits
 from hvd_magic.runner.plan import Host
 
 psutil = pytest.importorskip("psutil")
 
-MARKERS = ("hvd_magic.kernel._engine", "hvd_magic.kernel._controller", "ipyparallel.engine.nanny")
+MARKERS = ("hvd_magic.kernel.ranks.engine", "hvd_magic.kernel.controller", "ipyparallel.engine.nanny")
 
 #: Every process these tests start inherits this variable, so the orphan checks see only
 #: their own pools, not those of notebooks running beside them on the same machine.
@@ -219,7 +219,7 @@ def test_without_a_namespace_the_pool_says_so_and_keeps_its_own_sockets_local(mo
 
 
 def test_stale_pool_directories_are_cleaned(tmp_path):
-    from hvd_magic.kernel.cells import clean_stale_dirs
+    from hvd_magic.kernel.notebook.cells import clean_stale_dirs
     old, new = tmp_path / "hvdm-old", tmp_path / "hvdm-new"
     old.mkdir()
     new.mkdir()
@@ -234,7 +234,7 @@ def test_a_paused_rank_keeps_the_pool_until_the_heartbeat_limit():
     past the limit (3 s) ends the pool with an error naming that rank and why."""
     import signal
     import threading
-    from hvd_magic.kernel.output import RankDiedError
+    from hvd_magic.kernel.notebook.output import RankDiedError
     m = PoolManager()
     try:
         pool = m.ensure(2, None, None, TextSink())
@@ -263,7 +263,7 @@ def test_a_paused_rank_keeps_the_pool_until_the_heartbeat_limit():
 def test_the_one_private_ipyparallel_attribute_the_pool_reads():
     """Pool reads each rank's future through ``rank_futures`` (ipyparallel's private
     ``AsyncResult._children``: there is no public per-engine future); pinned here."""
-    from hvd_magic.kernel.cells import rank_futures
+    from hvd_magic.kernel.notebook.cells import rank_futures
     m = PoolManager()
     try:
         pool = m.ensure(2, None, None, None)

@@ -141,7 +141,7 @@ def test_failure_text_names_the_node():
 
 
 def test_a_pool_in_an_allocation_is_planned_as_multi_host():
-    from hvd_magic.kernel.plan import PoolConfig, plan_pool
+    from hvd_magic.kernel.notebook.plan import PoolConfig, plan_pool
     hosts = [Host("n1", 2), Host("n2", 2)]
     environ = {"PATH": "/usr/bin", "SLURM_JOB_ID": "42", "SLURM_NODELIST": "n[1-2]"}
     cfg = PoolConfig(np=4, workdir="/tmp/hvdm-x", key="k", hosts=hosts, slurm_job=42,

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from hvd_magic.kernel import spans as SP
+from hvd_magic.kernel.ranks import spans as SP
 from hvd_magic.widgets import html as H
 from hvd_magic.widgets import model as M
 from hvd_magic.widgets.scaling import ScalePoint, parse_np_list, scale_rows, scale_text

@@ -5,13 +5,13 @@
 ``python -m hvd_magic.kernel install`` installs a Jupyter kernel in which every cell runs on
 the pool. ipyparallel is imported only when a pool starts.
 """
-from .manager import PoolManager, make_config
-from .output import OutputSink, PoolCellError, PoolCellInterrupted, PoolCellTimeout, \
+from .notebook.manager import PoolManager, make_config
+from .notebook.output import OutputSink, PoolCellError, PoolCellInterrupted, PoolCellTimeout, \
     RankDiedError, RankFailure, TextSink
-from .plan import PoolConfig, PoolPlan, plan_pool
-from .cells import CellOutcome
-from .output import PoolError, remote_error_text
-from .pool import Pool
+from .notebook.plan import PoolConfig, PoolPlan, plan_pool
+from .notebook.cells import CellOutcome
+from .notebook.output import PoolError, remote_error_text
+from .notebook.pool import Pool
 
 __all__ = ["CellOutcome", "OutputSink", "Pool", "PoolCellError", "PoolCellInterrupted",
            "PoolCellTimeout", "PoolConfig", "PoolError", "PoolManager", "PoolPlan",

@@ -1,4 +1,6 @@
-"""``python -m hvd_magic.kernel install [--np N] [--user | --prefix P | --sys-prefix]``
+"""Runs as a command, and as the Jupyter kernel it installs.
+
+``python -m hvd_magic.kernel install [--np N] [--user | --prefix P | --sys-prefix]``
 installs the Jupyter kernel "Python (hvd_magic, N ranks)": every cell runs on an N-rank pool.
 ``python -m hvd_magic.kernel launch --np N -f CONNECTION_FILE`` is what that kernel runs.
 """

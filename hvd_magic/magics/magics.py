@@ -39,7 +39,7 @@ class HvdMagics(Magics):
     def __init__(self, shell: Any, manager: Any = None) -> None:
         super().__init__(shell)
         if manager is None:
-            from ..kernel.manager import PoolManager
+            from ..kernel.notebook.manager import PoolManager
             manager = PoolManager()
         self.manager = manager
         self.auto_line: Optional[str] = None     # %%hvd arguments while %autohvd is on
@@ -384,7 +384,7 @@ def default_manager() -> Any:
     """The process-wide pool manager (one pool per kernel)."""
     global _MANAGER
     if _MANAGER is None:
-        from ..kernel.manager import PoolManager
+        from ..kernel.notebook.manager import PoolManager
         _MANAGER = PoolManager()
     return _MANAGER
 

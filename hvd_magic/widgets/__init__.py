@@ -2,7 +2,7 @@
 throughput and scaling efficiency, and a bokeh timeline of the collectives, all through
 Jupyter comms (ipywidgets, jupyter_bokeh). In a terminal the same information is text.
 
-* engine side: :mod:`hvd_magic.kernel.telemetry` (``enable()``), counting what
+* engine side: :mod:`hvd_magic.kernel.ranks.telemetry` (``enable()``), counting what
   ``hvd.report(n)`` (:mod:`hvd_magic.collectives.progress`) reports
 * pure: :mod:`.model` (logs, spans, throughput arithmetic, snapshots), :mod:`.scaling` (pure part)
 * client side, observers of a cell that ``Pool.run_cell`` feeds with output, telemetry and

@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 from typing import Mapping, Optional, Sequence, Tuple
 
-from ..kernel.spans import Span
+from ..kernel.ranks.spans import Span
 from .model import (COMPUTE, GROUP_COLOR, RESET_COLOR, STATUS_COLOR, STATUS_TEXT, CellState,
                     autotune_text, fmt_pct, fmt_rate, phase_group)
 

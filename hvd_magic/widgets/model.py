@@ -2,7 +2,7 @@
 of the data it is given, so it is unit-tested on its own (``tests/test_widgets.py``).
 
 * :class:`LogBuffer`: per-rank stdout/stderr lines, the last N kept, "... N earlier lines".
-* :mod:`hvd_magic.kernel.spans`: the runtime's timeline events -> merged phase spans
+* :mod:`hvd_magic.kernel.ranks.spans`: the runtime's timeline events -> merged phase spans
   (engine side); :mod:`.html`: the static HTML of a finished cell.
 * :class:`SpanTrack`: spans per rank with the gaps between collectives filled in as compute.
 * :mod:`.rates`: the arithmetic of samples/s, efficiency and communication share.
@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ..kernel.spans import Span
+from ..kernel.ranks.spans import Span
 from .rates import (Throughput, autotune_text, comm_fraction, efficiency,  # noqa: F401
                     fmt_pct, fmt_rate)
 from .resets import Reset, Resets

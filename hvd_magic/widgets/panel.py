@@ -9,7 +9,7 @@ import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from .. import config
-from ..kernel.output import PoolCellError
+from ..kernel.notebook.output import PoolCellError
 from .html import badge_html, banner_html, metrics_html, snapshot_html
 from .model import GROUP_COLOR, RESET_COLOR, STATUS_TEXT, CellState, phase_group
 from .session import save_trace, session

@@ -4,7 +4,7 @@
 * :class:`.panel.WidgetSink`: the live panel, in a Jupyter kernel with ipywidgets, bokeh and
   jupyter_bokeh;
 * :class:`.text.TelemetryTextSink`: text with a summary (a terminal, or no ipywidgets);
-* ``--no-stream``: the plain :class:`hvd_magic.kernel.output.TextSink`, no telemetry.
+* ``--no-stream``: the plain :class:`hvd_magic.kernel.notebook.output.TextSink`, no telemetry.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 from typing import Any, Optional, Sequence
 
 from .. import config
-from ..kernel.output import TextSink
+from ..kernel.notebook.output import TextSink
 from .session import session
 from .text import TelemetryTextSink
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Mapping, Optional, Sequence
 
-from ..kernel.output import PoolCellError, TextSink
+from ..kernel.notebook.output import PoolCellError, TextSink
 from .model import CellState
 from .session import session
 

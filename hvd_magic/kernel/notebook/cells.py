@@ -1,4 +1,6 @@
-"""Reading a running cell from ipyparallel, for :class:`.pool.Pool`: each rank's future,
+"""Runs in the notebook kernel.
+
+Reading a running cell from ipyparallel, for :class:`.pool.Pool`: each rank's future,
 the pump that moves output and telemetry to the sink, and what a finished cell left behind.
 Also the clean-up of pool directories that a killed kernel left."""
 from __future__ import annotations
@@ -116,7 +118,7 @@ class Pump:
     ipyparallel's IO thread appends each message to the metadata before running callbacks;
     reading the metadata (not the messages) means nothing is lost or doubled even for output
     that arrived before the callbacks were attached. Telemetry batches are the ranks'
-    ``data_message`` entries, keyed ``hvdm.<rank>.<seq>`` (:mod:`.telemetry`).
+    ``data_message`` entries, keyed ``hvdm.<rank>.<seq>`` (:mod:`..ranks.telemetry`).
     """
 
     def __init__(self, ar: Any, targets: List[int], sink: OutputSink) -> None:

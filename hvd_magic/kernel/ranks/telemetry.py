@@ -1,4 +1,6 @@
-"""Telemetry of a running cell: runs inside each pool rank, for the live panel (widgets) and
+"""Runs in each rank (a pool engine, one MPI process per rank).
+
+Telemetry of a running cell: runs inside each pool rank, for the live panel (widgets) and
 the text summary. Standard library only at import.
 
 :func:`enable` (called once per
@@ -23,8 +25,8 @@ import time
 from collections import deque
 from typing import Any, Optional
 
-from .. import config
-from ..collectives.progress import first_report, progress, reset_progress
+from ... import config
+from ...collectives.progress import first_report, progress, reset_progress
 
 MAX_SPANS = config.get("HVD_MAGIC_TELEMETRY_MAX_SPANS")   # per batch; 0: all
 INTERVAL = config.get("HVD_MAGIC_TELEMETRY_INTERVAL")

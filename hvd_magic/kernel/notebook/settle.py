@@ -1,4 +1,6 @@
-"""After an interrupt or a ``--timeout``: stop the cell on every busy rank, then reset the
+"""Runs in the notebook kernel.
+
+After an interrupt or a ``--timeout``: stop the cell on every busy rank, then reset the
 hvd runtime everywhere, or stop the pool when a rank does not stop (:func:`settle`)."""
 from __future__ import annotations
 

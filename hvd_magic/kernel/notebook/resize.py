@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any, List, Optional
 
-from .. import config
+from ... import config
 from .output import OutputSink, PoolError, n_ranks
 from .procs import descendants
 
@@ -27,7 +27,7 @@ def resize(pool: Any, n: int, sink: Optional[OutputSink] = None) -> str:
     """Grow or shrink the elastic ``pool`` to ``n`` ranks between cells; a sentence saying
     what happened. Raises ValueError for a request that cannot work, PoolError when the new
     ranks could not join (the pool then keeps its old size, or is stopped if it cannot)."""
-    from .engine_side import catch_up, info, resize as resize_ranks
+    from ..ranks.calls import catch_up, info, resize as resize_ranks
     old = pool.size
     if not pool.elastic():
         raise ValueError(f"%hvd resize {n}: this pool has a fixed size; only an elastic pool "

@@ -1,4 +1,6 @@
-"""Timeline events of the runtime -> merged phase spans. Pure (standard library only); runs
+"""Runs in each rank (the telemetry) and in the notebook kernel (the widgets read its spans).
+
+Timeline events of the runtime -> merged phase spans. Pure (standard library only); runs
 on each rank for the telemetry (:mod:`.telemetry`) and is unit-tested on its own."""
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Code that runs inside each pool engine (an MPI rank), called through ipyparallel.
+"""Runs in each rank (a pool engine, one MPI process per rank).
+
+Code that runs inside each pool engine (an MPI rank), called through ipyparallel.
 
 :func:`startup` runs before the engine's first cell; the others are small helpers the pool
 calls with ``apply``. They return plain data only.

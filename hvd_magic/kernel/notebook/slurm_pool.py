@@ -1,4 +1,6 @@
-"""The pool's Slurm allocation over the notebook's life: asked for by the first
+"""Runs in the notebook kernel.
+
+The pool's Slurm allocation over the notebook's life: asked for by the first
 ``%%hvd --slurm`` cell, kept while cells reuse it, released by ``%hvd stop``, by the idle
 timeout (``HVD_MAGIC_SLURM_IDLE_TIMEOUT``), at kernel exit, or replaced when it failed."""
 from __future__ import annotations
@@ -7,9 +9,9 @@ import os
 import time
 from typing import Any, Callable, Dict, Mapping, Optional
 
-from .. import config
-from ..runner.slurm import SlurmRequest
-from ..runner.slurm_alloc import Allocation, IdleReaper
+from ... import config
+from ...runner.slurm import SlurmRequest
+from ...runner.slurm_alloc import Allocation, IdleReaper
 
 #: ``%%hvd --slurm`` options -> :class:`SlurmRequest` fields.
 OPTIONS = ("partition", "time", "nodes", "gpus_per_node")

@@ -1,4 +1,6 @@
-"""Deciding, not doing: turn a pool request into the controller and ``mpiexec`` command lines.
+"""Runs in the notebook kernel.
+
+Deciding, not doing: turn a pool request into the controller and ``mpiexec`` command lines.
 
 :func:`plan_pool` is a pure function of a :class:`PoolConfig`: it returns the argv of the
 ipyparallel controller, the argv and environment of the ``mpiexec`` that starts the MPI
@@ -24,7 +26,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
-from ..runner.plan import LOCAL_NAMES, NETNS_NOTE, NO_NETNS_NOTE, OPENMPI, Host, LaunchArgs, \
+from ...runner.plan import LOCAL_NAMES, NETNS_NOTE, NO_NETNS_NOTE, OPENMPI, Host, LaunchArgs, \
     check_local_size, is_single_host, plan_launch
 
 #: ipyparallel's controller heartbeat period for the pool (ms); its default of 3000 ms is
@@ -189,7 +191,7 @@ def plan_pool(config: PoolConfig) -> PoolPlan:
     engine_file = os.path.join(security, f"ipcontroller-{CLUSTER_ID}-engine.json")
     client_file = os.path.join(security, f"ipcontroller-{CLUSTER_ID}-client.json")
     py = config.python
-    controller = [py, "-m", "hvd_magic.kernel._controller", f"--profile-dir={config.workdir}",
+    controller = [py, "-m", "hvd_magic.kernel.controller", f"--profile-dir={config.workdir}",
                   f"--cluster-id={CLUSTER_ID}", "--reuse", "--log-level=WARN",
                   f"--HeartMonitor.period={config.heartbeat_ms}",
                   f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
@@ -213,7 +215,7 @@ def plan_pool(config: PoolConfig) -> PoolPlan:
     extra["IPP_CONNECTION_INFO"] = json.dumps(engine_info, sort_keys=True)
     extra["HVD_MAGIC_POOL"] = "1"
     oversub = config.oversubscribe if config.oversubscribe is not None else not config.hosts
-    engine_cmd = [py, "-m", "hvd_magic.kernel._engine"]
+    engine_cmd = [py, "-m", "hvd_magic.kernel.ranks.engine"]
     if single:
         # no nanny process per engine (its start is ~0.3 s of the pool's start): interrupts
         # go straight to the engines' pids, which are local

@@ -1,4 +1,4 @@
-"""Where a pool cell's output goes, and how failures read.
+"""Runs in the notebook kernel. Where a pool cell's output goes, and how failures read.
 
 The pool never prints: it hands every piece of output to an :class:`OutputSink`. The magics
 use :class:`TextSink` (rank-prefixed lines, ``[0] ...``); a widget renderer (one output area
@@ -41,7 +41,7 @@ class OutputSink(Protocol):
     # Optional, for sinks that observe the whole cell (the live panel, the text summary):
     #   telemetry_interval: float   the ranks send a telemetry batch this often (s)
     #   begin(ranks, size, code)    before the cell is sent
-    #   ingest(batches)             telemetry batches (dicts, see kernel.telemetry)
+    #   ingest(batches)             telemetry batches (dicts, see kernel.ranks.telemetry)
     #   poll()                      periodic work on the kernel's main thread while it runs
     #   failed(exc) / finalize()    after the cell: it raised a PoolCellError / otherwise
 

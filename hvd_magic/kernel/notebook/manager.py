@@ -1,4 +1,6 @@
-"""Which pool a request needs: gather this machine's facts into a config, and keep at most
+"""Runs in the notebook kernel.
+
+Which pool a request needs: gather this machine's facts into a config, and keep at most
 one pool per kernel (start on first use, reuse, restart for another size or hosts)."""
 from __future__ import annotations
 
@@ -7,8 +9,8 @@ import secrets
 import socket
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from .. import config
-from ..runner.plan import Host
+from ... import config
+from ...runner.plan import Host
 from .output import OutputSink, n_ranks
 from .plan import NO_NAMESPACE, PoolConfig, plan_pool
 from .pool import Pool
@@ -32,8 +34,8 @@ def make_config(np: int, hosts: Optional[List[Host]] = None, hostfile: Optional[
     """Gather the facts of this machine (mpiexec, MPI flavour, namespaces, addresses) into a
     :class:`PoolConfig`; raises ValueError/TypeError/RuntimeError for what cannot work.
     ``slurm``: an :class:`~hvd_magic.runner.slurm_alloc.Allocation` whose nodes the ranks run on."""
-    from ..runner import launch
-    from ..runner.plan import parse_hostfile
+    from ...runner import launch
+    from ...runner.plan import parse_hostfile
     environ = dict(os.environ)
     info = launch.detect_mpi(launch.find_mpiexec(environ))
     names = launch.local_names()
@@ -160,7 +162,7 @@ class PoolManager:
             old.stop()
             self.pool = self._running = None
         if setup:
-            from ..runner.setup_lines import run_setup
+            from ...runner.setup_lines import run_setup
             run_setup(setup, config.hosts, config.slurm_job, config.environ,
                       status=sink.status if sink is not None else None)
         pool = Pool(config).start(sink)
@@ -174,7 +176,7 @@ class PoolManager:
 
     def resize(self, np: int, sink: Optional[OutputSink] = None) -> str:
         """``%hvd resize N``: the elastic pool grows or shrinks to ``np`` ranks; a later cell
-        that asks for another ``-np`` resizes it again (see :mod:`.elastic`)."""
+        that asks for another ``-np`` resizes it again (see :mod:`.resize`)."""
         pool = self.pool
         if pool is None or not pool.alive():
             raise ValueError("no pool is running; start an elastic one with %%hvd -np N "

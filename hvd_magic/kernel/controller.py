@@ -1,4 +1,6 @@
-"""Entry point of the pool's ipyparallel controller (``python -m hvd_magic.kernel._controller``).
+"""Runs in the pool's ipyparallel controller process.
+
+Entry point of the pool's ipyparallel controller (``python -m hvd_magic.kernel.controller``).
 
 Two changes to ``ipcontroller``: the umask is 077, so connection files and Unix sockets are
 their owner's only from the moment they exist; and ipyparallel 9.2's ``ipc://`` addresses are
@@ -27,7 +29,7 @@ def _construct_url(self: Any, kind: str, channel: str, index: Optional[int] = No
 
 class _QuietTelemetry(logging.Filter):
     """Drops the hub's warning about ``data_message`` on IOPub: the ranks' live telemetry
-    (hvd_magic.kernel.telemetry) arrives as such messages several times a second while a
+    (hvd_magic.kernel.ranks.telemetry) arrives as such messages several times a second while a
     cell runs, and each one wrote a warning line to controller.log (~8 lines a second on 2
     ranks, for as long as the pool lives)."""
 

@@ -1,4 +1,6 @@
-"""Process plumbing for the pool: start a child that dies with this kernel, stop a process
+"""Runs in the notebook kernel.
+
+Process plumbing for the pool: start a child that dies with this kernel, stop a process
 tree completely, and read how ranks ended from ``mpiexec``'s log.
 """
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""The pool: ipyparallel engines started by ``mpiexec`` (engine i is MPI rank i).
+"""Runs in the notebook kernel.
+
+The pool: ipyparallel engines started by ``mpiexec`` (engine i is MPI rank i).
 
 :class:`Pool` does the work (start, run a cell, interrupt, stop); :mod:`.manager` decides
 which pool a request needs; the magics only parse and render. Start-up runs the controller,
@@ -19,7 +21,7 @@ import time
 import weakref
 from typing import Any, Dict, List, Optional, Sequence
 
-from .. import config
+from ... import config
 from . import liveness
 from .cells import CellOutcome, Pump, clean_stale_dirs, engine_lost, ipyparallel, notify, \
     rank_done, rank_error, rank_futures, short_tmp
@@ -145,7 +147,7 @@ class Pool:
         """Each rank's host and pid, asked once (one round trip): a rank that later stops
         answering can then still be named by where it runs, and local interrupts go to the
         pids."""
-        from .engine_side import where
+        from ..ranks.calls import where
         ranks = list(range(self.config.np))
         for r, (host, pid) in zip(ranks, self.client[ranks].apply_async(where).get(
                 START_TIMEOUT)):
@@ -273,7 +275,7 @@ class Pool:
         none, and no timeline subscription). One round trip, only when it changes."""
         if interval == self.telemetry:
             return
-        from . import telemetry
+        from ..ranks import telemetry
         view = self.view(list(range(self.size)))
         fn, args = (telemetry.disable, ()) if interval is None else (telemetry.enable, (interval,))
         self._ask(lambda: view.apply_async(fn, *args).get(SWITCH_TIMEOUT))
@@ -371,7 +373,7 @@ class Pool:
     def reset_runtime(self, timeout: float = 8.0) -> str:
         """``hvd.shutdown()`` + ``hvd.init()`` on every rank (drops requests an interrupt left in
         flight). Stops the pool if that fails; returns a sentence saying which happened."""
-        from .engine_side import reset
+        from ..ranks.calls import reset
         try:
             ar = self.view(list(range(self.size))).apply_async(reset, 5.0)
             replies = ar.get(timeout)
@@ -441,8 +443,8 @@ class Pool:
         self._views, self.telemetry = {}, None    # new engines: no telemetry yet
 
     def resize(self, n: int, sink: Optional[OutputSink] = None) -> str:
-        """``%hvd resize N``: grow or shrink an elastic pool (see :mod:`.elastic`)."""
-        from .elastic import resize
+        """``%hvd resize N``: grow or shrink an elastic pool (see :mod:`.resize`)."""
+        from .resize import resize
         return resize(self, n, sink)
 
     def _death(self, failures: List[RankFailure], targets: List[int]) -> RankDiedError:
@@ -475,13 +477,13 @@ class Pool:
 
     def result_values(self, ranks: Sequence[int]) -> List[Any]:
         """The values the last cell produced on ``ranks`` (``Out[n]`` there; None if none)."""
-        from .engine_side import last_result
+        from ..ranks.calls import last_result
         view = self.view(list(ranks))
         return list(self._ask(lambda: view.apply_sync(last_result)))
 
     def status(self, timeout: float = 2.0) -> Dict[str, Any]:
         """Ranks, hosts, pids, what each is doing, pending collectives; plus notes."""
-        from .engine_side import info
+        from ..ranks.calls import info
         ranks: Dict[int, Dict[str, Any]] = {r: {"state": "unknown"} for r in range(self.size)}
         if self.alive():
             ar = self.view(list(range(self.size))).apply_async(info)

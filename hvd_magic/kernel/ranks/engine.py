@@ -1,8 +1,10 @@
-"""Entry point of one pool engine (``python -m hvd_magic.kernel._engine``), started by mpiexec.
+"""Runs in each rank (a pool engine, one MPI process per rank).
+
+Entry point of one pool engine (``python -m hvd_magic.kernel.ranks.engine``), started by mpiexec.
 
 Before ipyparallel's engine starts: the umask becomes 077 and, where GPUs exist, this rank
 is given its own (``CUDA_VISIBLE_DEVICES`` by local rank, see :func:`gpu_for_local_rank`).
-Then ``hvd.init()`` runs (:func:`hvd_magic.kernel.engine_side.startup`, overlapping the
+Then ``hvd.init()`` runs (:func:`hvd_magic.kernel.ranks.calls.startup`, overlapping the
 controller's start), and the engine registers with MPI rank = engine id.
 """
 from __future__ import annotations
@@ -12,7 +14,7 @@ import os
 import sys
 from typing import List, Mapping, Optional
 
-STARTUP = "__import__('hvd_magic.kernel.engine_side').kernel.engine_side.startup()"
+STARTUP = "__import__('hvd_magic.kernel.ranks.calls').kernel.ranks.calls.startup()"
 
 ENGINE_ARGS = ["--mpi", "--log-level=WARN", f"--IPEngine.startup_command={STARTUP}",
                "--IPEngine.mpi_registration_delay=0"]
@@ -37,7 +39,7 @@ def gpu_for_local_rank(env: Mapping[str, str], gpu_count: int) -> Optional[str]:
     ``CUDA_VISIBLE_DEVICES`` list, else device ``local_rank % gpu_count``. Nothing changes
     without GPUs, without a local rank, or with ``HVD_MAGIC_PIN_GPU=0``.
     """
-    from .. import config
+    from ... import config
     if not config.get("HVD_MAGIC_PIN_GPU", env):
         return None
     local = local_rank_from_env(env)
@@ -81,12 +83,12 @@ def main(argv: Optional[List[str]] = None) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     # hvd.init() (numpy, mpi4py, MPI_Init, communicators) now, while the controller is
     # still starting, rather than after registration where it would delay the heartbeat
-    from . import engine_side
-    engine_side.startup()
+    from . import calls
+    calls.startup()
     args = list(sys.argv[1:] if argv is None else argv)
     # an engine that %hvd resize spawned asks for no id (``--mpi`` would ask for its rank in
     # the spawned group, an id another engine has or had): the controller's next id is new
-    joined = engine_side.joined()
+    joined = calls.joined()
     sys.argv = [sys.argv[0]] + [a for a in ENGINE_ARGS if not (joined and a == "--mpi")] + args
     from ipyparallel.engine.app import main as engine_main
     engine_main()
