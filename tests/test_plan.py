@@ -387,7 +387,9 @@ def test_cycle_cache_keeps_only_clean_cycles_and_answers_only_when_nothing_is_pe
                   dict(events=(("e",),))):
         assert not CycleCache.cacheable(RankMsg(anns=(0,), **extra))
     cache.put(("k1",), ok, None)
-    assert cache.get(("k1",), busy=False) == (ok, None, None, None) and cache.hits == 1
+    kept = cache.get(("k1",), busy=False)
+    assert (kept.responses, kept.plan, kept.moved, kept.where) == (ok, None, None, None)
+    assert cache.hits == 1
     assert cache.get(("k1",), busy=True) is None          # something pending: decide afresh
     assert cache.get(None, busy=False) is None
     bad = [Response("m", "allreduce", {0: ar("m")}, error="boom", error_kind="mismatch")]

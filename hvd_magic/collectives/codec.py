@@ -7,6 +7,7 @@ loop's steady state), so a hit skips decoding and negotiation. Pure: no I/O, no 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from .negotiation import Ann, RankMsg, _tuple_new
@@ -162,6 +163,16 @@ class AnnCodec:
         return True
 
 
+@dataclass
+class KeptCycle:
+    """A cycle's decisions kept by :class:`CycleCache`."""
+
+    responses: list                 # the decisions, in order
+    plan: Optional[list]            # their fusion plan (None for one decision)
+    moved: Optional[dict]           # unnamed calls: how the cycle moved the counters
+    where: Optional[list]           # unnamed calls: each decision's place in this rank's message
+
+
 class CycleCache:
     """Decisions of cycles that recur byte for byte (a training loop's steady state).
 
@@ -181,7 +192,7 @@ class CycleCache:
         self.cycles: dict = {}       # key (every rank's message bytes) -> (responses, plan)
         self.hits = 0
 
-    def get(self, key: Optional[tuple], busy: bool) -> Optional[tuple]:
+    def get(self, key: Optional[tuple], busy: bool) -> Optional[KeptCycle]:
         if key is None or busy:
             return None
         hit = self.cycles.get(key)
@@ -220,5 +231,5 @@ class CycleCache:
                 return
         if len(self.cycles) >= self.cap:
             del self.cycles[next(iter(self.cycles))]
-        self.cycles[key] = (responses, plan, moved or None, where)
+        self.cycles[key] = KeptCycle(responses, plan, moved or None, where)
 

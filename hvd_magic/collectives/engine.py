@@ -28,7 +28,7 @@ from collections import deque
 
 from .. import config as env
 from . import autotune
-from .codec import AnnCodec, CycleCache
+from .codec import AnnCodec, CycleCache, KeptCycle
 from .config import Config
 from .errors import HvdError, RankLostError, ShutdownError, rank_lost_error
 from .exchange import SLOT, SlotExchange
@@ -385,7 +385,7 @@ class Engine:
             restore_sigint(deferred)
 
     def _after_exchange(self, msgs: Optional[list], key: Optional[tuple] = None,
-                        hit: Optional[tuple] = None, ready: tuple = ()) -> bool:
+                        hit: Optional[KeptCycle] = None, ready: tuple = ()) -> bool:
         """Decide and carry out one cycle from every rank's message (or the decisions of
         the same cycle seen before: ``hit``; with ``msgs`` None then, or when no rank had
         more than bits to say), plus the response cache's ``ready`` requests; True: shut
@@ -398,7 +398,7 @@ class Engine:
         else:
             cached = self._take_ready(ready)[0]     # (before a slot can be invalidated)
             if hit is not None:
-                responses, plan = hit[0], hit[1]
+                responses, plan = hit.responses, hit.plan
             else:
                 if msgs[0].tune:       # rank 0's autotune setting: every rank applies it now
                     self.tune_status = autotune.apply(msgs[0].tune, self.cfg, self.tuner, now)
@@ -560,11 +560,11 @@ class Engine:
         if keyed:
             key = wire
             hit = self.cycle_cache.get(key, self.neg.busy)
-            if hit is not None and (hit[2] is None or self.codec.replay(hit[2])):
-                if hit[3] is not None:
+            if hit is not None and (hit.moved is None or self.codec.replay(hit.moved)):
+                if hit.where is not None:
                     # unnamed calls: this cycle's numbers, as this rank sent them
                     sent = self._sent
-                    for resp, i in zip(hit[0], hit[3]):
+                    for resp, i in zip(hit.responses, hit.where):
                         resp.name = name = sent[i][0]
                         if resp.kind != "allreduce":    # (their backends label from these)
                             resp.anns = {r: a._replace(name=name) for r, a in resp.anns.items()}
