@@ -20,8 +20,7 @@ from .handles import GroupHandle, Handle
 from .ops import Average
 from .negotiation import Ann, allreduce_ann
 from .process_sets import ProcessSet, engine_of, global_process_set
-from .state import _require, engine
-from .state import _state as _st
+from .state import engine, require, runtime
 
 _GLOBAL = global_process_set
 
@@ -39,7 +38,7 @@ def request_name(kind: str, name: Optional[str], eng: Any = None) -> str:
             raise TypeError(f"name must be a non-empty string, got {name!r}")
         return name
     if eng is None:
-        eng = _st.engine
+        eng = runtime.engine
     counters = _counters if eng is None else eng.noname
     c = counters.get(kind)
     if c is None:
@@ -101,7 +100,7 @@ def submit_allreduce(tensor, out, name, op, prescale, postscale, urgent=False,
         # the usual numpy call, checked and announced without the helpers below (same
         # checks, same Ann: ~0.5 us less a call; a training step makes ~100 of them)
         dtype = _NP_NAMES.get(tensor.dtype)
-        e = _st.engine
+        e = runtime.engine
         if dtype is not None and dtype != "bool" and e is not None:
             return e.submit(allreduce_ann(name if name is not None else request_name("allreduce", None),
                                           dtype, tensor.shape, _OP_INT[op], prescale, postscale,
@@ -176,7 +175,7 @@ def check_root(root_rank: Any, eng: Any = None) -> int:
     """``root_rank`` (an hvd rank) checked, as ``eng``'s communicator numbers it."""
     if isinstance(root_rank, bool) or not isinstance(root_rank, (int, np.integer)):
         raise TypeError(f"root_rank must be an int, got {root_rank!r}")
-    n = _require().size
+    n = require().size
     if not 0 <= int(root_rank) < n:
         raise ValueError(f"root_rank={root_rank} is out of range: there are {n} ranks (0..{n - 1})")
     if eng is None or eng.ranks is None:
@@ -410,14 +409,14 @@ def autotune_status() -> Optional[dict]:
 def subscribe(callback: Any) -> Any:
     """Call ``callback(events)`` on this rank's engine thread with each batch of timeline
     events ``(rank, tensor, phase, start_us, dur_us, args)``; returns an unsubscribe function."""
-    st = _require()
+    st = require()
     return st.timeline.subscribers.add(callback)
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Record a Chrome-trace timeline to ``file_path`` (written by rank 0). Call on every rank."""
     from .timeline import TimelineWriter
-    st = _require()
+    st = require()
     eng = engine()
     barrier(name=request_name("timeline.start", None))
     if st.rank == 0:
@@ -430,7 +429,7 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
 
 def stop_timeline() -> None:
     """Stop recording and close the timeline file (valid JSON from then on). Call on every rank."""
-    st = _require()
+    st = require()
     eng = engine()
     barrier(name=request_name("timeline.stop", None))   # carries every rank's remaining events to rank 0
     st.timeline.recording = False

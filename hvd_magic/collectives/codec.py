@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from .negotiation import Ann, RankMsg, _tuple_new
+from .negotiation import Ann, RankMsg, new_tuple
 
 
 def split_noname(name: str) -> Optional[tuple]:
@@ -41,7 +41,7 @@ def table_entry(a: Ann) -> tuple:
     nn = split_noname(a[0]) if ".noname." in a[0] else None
     if nn is None:
         return a, None
-    return _tuple_new(Ann, (nn[0],) + a[1:]), nn
+    return new_tuple(Ann, (nn[0],) + a[1:]), nn
 
 
 class AnnCodec:
@@ -123,7 +123,7 @@ class AnnCodec:
                 num = last[head] + x[1]
                 last[head] = num
                 self.moved[(rank, head)] = self.moved.get((rank, head), 0) + x[1]
-                out.append(_tuple_new(Ann, (f"{head}.{num}{x[2]}",) + key[1:]))
+                out.append(new_tuple(Ann, (f"{head}.{num}{x[2]}",) + key[1:]))
                 continue
             a = Ann._make(x)
             entry, nn = table_entry(a)

@@ -47,7 +47,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from .. import config as env
 from .errors import HvdError, RankLostError, rank_lost_error
-from .state import _state, shutdown, start
+from .state import runtime, shutdown, start
 
 #: Seconds between two runs of the host discovery script (Horovod's driver polls it as often).
 DISCOVERY_INTERVAL_S = 1.0
@@ -106,7 +106,7 @@ def shrink(failure: Optional[BaseException] = None) -> tuple:
     ``HVD_MAGIC_ELASTIC_MIN_NP`` would; a rank that failed then returns with the size left,
     and raises its own exception (see :func:`run_fn`)."""
     from mpi4py import MPI
-    st = _state
+    st = runtime
     eng, base = st.engine, st.comm
     for comm in [eng.comm, st.control] + [e.engine.comm for e in st.sets.values() if e.engine]:
         try:
@@ -181,7 +181,7 @@ def _skip_finalize_fence() -> None:
 def _restart(comm: Any) -> None:
     from .process_sets import global_process_set
     start(comm)
-    global_process_set.ranks = list(range(_state.size))
+    global_process_set.ranks = list(range(runtime.size))
     _generation[0] += 1
 
 
@@ -352,7 +352,7 @@ def _discover(script: str) -> Optional[int]:
     if _blacklist:
         hosts = _blacklist[0].usable(hosts, time.time())
     _discovered[1] = hosts
-    return target_size(_state.size, sum(hosts.values()), env.get("HVD_MAGIC_ELASTIC_MIN_NP"),
+    return target_size(runtime.size, sum(hosts.values()), env.get("HVD_MAGIC_ELASTIC_MIN_NP"),
                        env.get("HVD_MAGIC_ELASTIC_MAX_NP"))
 
 
@@ -364,14 +364,14 @@ def host_update() -> Optional[int]:
     """Every rank, at a commit: the size the job should change to, or None (no change, or
     no ``HVD_MAGIC_HOST_DISCOVERY_SCRIPT``)."""
     script = env.get("HVD_MAGIC_HOST_DISCOVERY_SCRIPT")
-    if not script or _state.engine is None:
+    if not script or runtime.engine is None:
         return None
     if _rank_hosts[0] != _generation[0]:
         from mpi4py import MPI
-        _rank_hosts[:] = [_generation[0], _state.control.allgather(MPI.Get_processor_name())]
-    want = _discover(script) if _state.rank == 0 else None
-    want = _state.control.bcast(want, root=0)
-    return None if want in (None, _state.size) else want
+        _rank_hosts[:] = [_generation[0], runtime.control.allgather(MPI.Get_processor_name())]
+    want = _discover(script) if runtime.rank == 0 else None
+    want = runtime.control.bcast(want, root=0)
+    return None if want in (None, runtime.size) else want
 
 
 def resize(want: int) -> tuple:
@@ -379,7 +379,7 @@ def resize(want: int) -> tuple:
     or shrink it (ranks ``want`` and up leave the job: they exit, out of ``func`` and the
     script). Returns (joined, left)."""
     from mpi4py import MPI
-    base, size, rank = _state.comm, _state.size, _state.rank
+    base, size, rank = runtime.comm, runtime.size, runtime.rank
     shutdown()
     if want > size:
         argv = list(getattr(sys, "orig_argv", [sys.executable] + sys.argv))
@@ -390,7 +390,7 @@ def resize(want: int) -> tuple:
         info.Free()
         merged = inter.Merge(high=False)
         merged.bcast(env.settings(), root=0)     # to the new ranks (see state.start)
-        _state.links.append(inter)   # kept: freeing it left the spawned rank hanging in MPI_Finalize
+        runtime.links.append(inter)   # kept: freeing it left the spawned rank hanging in MPI_Finalize
         _restart(merged)
         return want - size, 0
     keep = base.Split(0 if rank < want else MPI.UNDEFINED, rank)
@@ -480,7 +480,7 @@ def _note_change(t0: float, lost: List[int], joined: int, left: int,
                  commit: int) -> Dict[str, Any]:
     """Append a change to :data:`_changes`; its ``t1`` is set once the state synced again."""
     change = {"t0": t0, "t1": None, "generation": _generation[0], "lost": list(lost),
-              "joined": joined, "left": left, "size": _state.size, "commit": commit}
+              "joined": joined, "left": left, "size": runtime.size, "commit": commit}
     _changes.append(change)
     return change
 
@@ -488,7 +488,7 @@ def _note_change(t0: float, lost: List[int], joined: int, left: int,
 def _lost(exc: BaseException) -> bool:
     """Whether ``exc`` came of a lost rank: a RankLostError, or anything a framework made of
     one (TensorFlow re-raises errors of its host ops as its own) while the runtime died so."""
-    eng = _state.engine
+    eng = runtime.engine
     return isinstance(exc, RankLostError) or rank_lost_error(exc, "") is not None or (
         eng is not None and isinstance(eng.dead, RankLostError))
 
@@ -539,10 +539,10 @@ def run_fn(func: Callable, reset: Callable[[], tuple]) -> Callable:
                 if want is not None:
                     check_reset_limit(exc)
                 joined, left = resize(want) if want is not None else (0, 0)
-                if want is not None and _state.rank == 0:
+                if want is not None and runtime.rank == 0:
                     what = f"{joined} rank(s) joined" if joined else f"{left} rank(s) left"
                     sys.stderr.write(f"[hvd_magic] elastic: hosts updated, {what}; continuing on "
-                                     f"{_state.size} rank(s) from commit {state._hvd_commits}\n")
+                                     f"{runtime.size} rank(s) from commit {state._hvd_commits}\n")
                 if want is not None:
                     change = _note_change(t0, [], joined, left, state._hvd_commits)
             except HvdError as exc:
@@ -580,7 +580,7 @@ def _after_loss(state: State, reset: Callable, t0: float,
             raise failure
         traceback.print_exception(type(failure), failure, failure.__traceback__)
         text = f"failed ({failure_text(failure)}) and left the job"
-        sys.stderr.write(f"[hvd_magic] elastic: rank {_state.rank} {text}; {n} rank(s) go on "
+        sys.stderr.write(f"[hvd_magic] elastic: rank {runtime.rank} {text}; {n} rank(s) go on "
                          "without it\n")
         sys.stderr.flush()
         for hook in _leave_hooks:
@@ -588,7 +588,7 @@ def _after_loss(state: State, reset: Callable, t0: float,
         raise FailedRankExit(text)
     change = _note_change(t0, lost + sorted(failed), 0, 0, state._hvd_commits)
     change["failed"] = dict(failed)
-    if _state.rank == 0:
+    if runtime.rank == 0:
         sys.stderr.write(f"[hvd_magic] elastic: {what_happened(lost, failed)}; continuing on "
                          f"{n} rank(s) from commit {state._hvd_commits}\n")
     return change

@@ -36,7 +36,7 @@ from .execute import Executor
 from .fusion import plan_fusion
 from .handles import Handle, LocalReq
 from .interrupts import defer_sigint, restore_sigint
-from .negotiation import _tuple_new, Ann, Negotiator, RankMsg
+from .negotiation import Ann, Negotiator, RankMsg, new_tuple
 from .response_cache import ResponseCache
 from .stall import StallCheck
 from .timeline import CYCLE, FLUSH_S, Timeline, TimelineWriter, now_us
@@ -84,9 +84,9 @@ class Engine:
         self._mu = threading.Lock()          # guards compound updates of the fields below
         self._table_lock = threading.Lock()
         self._new: deque = deque()
-        self._inflight: dict[str, LocalReq] = {}
+        self.inflight: dict[str, LocalReq] = {}
         self._cancels: list = []
-        self._cancelled: set = set()
+        self.cancelled: set = set()
         self._join: Optional[Handle] = None
         self._join_announce = False
         self._shutdown_announce = False
@@ -111,8 +111,8 @@ class Engine:
         self.cycles = 0
         self.exchanges = 0           # cycles whose full messages were allgathered
         self.writer: Optional[TimelineWriter] = None
-        self.executor = Executor(comm, config, timeline, self._inflight, self._cancelled,
-                                 self._take, self._take_join, self.me, set_id)
+        self.executor = Executor(comm, config, timeline, self.inflight, self.cancelled,
+                                 self.take, self.take_join, self.me, set_id)
         self._execute = self.executor.execute
         self.mpi_backend = self.executor.mpi_backend
         # CPU tensors this big are reduced alone, never fused (plan_fusion)
@@ -141,8 +141,8 @@ class Engine:
                                 f"({self.dead or 'shutdown() was called'}); call hvd.init() again")
         handle = Handle(ann.name, ann.kind, self, post)
         req = LocalReq(ann, tensor, handle, out)
-        if self._inflight.setdefault(ann.name, req) is not req:
-            raise ValueError(f"a {self._inflight[ann.name].ann.kind} of tensor '{ann.name}' is "
+        if self.inflight.setdefault(ann.name, req) is not req:
+            raise ValueError(f"a {self.inflight[ann.name].ann.kind} of tensor '{ann.name}' is "
                              "already in flight on this rank; wait for it (hvd.synchronize) "
                              "or use another name")
         if ann.device != "cpu" and self.inline:
@@ -220,7 +220,7 @@ class Engine:
         out = [{"name": i.name, "kind": i.kind, "submitted_by": i.ready_ranks,
                 "missing_ranks": i.missing_ranks, "waiting_s": round(now - i.since, 3)} for i in infos]
         known = {i["name"] for i in out}
-        for r in list(self._inflight.values()):
+        for r in list(self.inflight.values()):
             if r.ann.name not in known:
                 out.append({"name": r.ann.name, "kind": r.ann.kind, "submitted_by": [self.me],
                             "missing_ranks": None, "waiting_s": round(now - r.t_submit, 3)})
@@ -251,8 +251,8 @@ class Engine:
 
     def _fail_all(self, err: BaseException) -> None:
         with self._mu:
-            reqs = list(self._inflight.values())
-            self._inflight.clear()
+            reqs = list(self.inflight.values())
+            self.inflight.clear()
             self._new.clear()
             join, self._join = self._join, None
         for r in reqs:
@@ -332,7 +332,7 @@ class Engine:
         # (tuple.__new__: the namedtuple constructor's argument handling costs ~0.3 us)
         tune, self._tune_out = self._tune_out, ()
         invalid, self._invalid = tuple(self._invalid), []
-        return _tuple_new(RankMsg, (self.codec.encode(anns), cancels, join, shut, self._events(),
+        return new_tuple(RankMsg, (self.codec.encode(anns), cancels, join, shut, self._events(),
                                     tune, invalid))
 
     def _loop(self) -> None:
@@ -594,16 +594,16 @@ class Engine:
         return self.waiters > 0
 
     # ------------------------------------------------------------------ execution
-    def _take(self, name: str) -> Optional[LocalReq]:
-        if name in self._cancelled:
+    def take(self, name: str) -> Optional[LocalReq]:
+        if name in self.cancelled:
             # The name may be reused (and stall again) from now on; a cancel not yet sent
             # must not hit the next request of the same name.
-            self._cancelled.discard(name)
+            self.cancelled.discard(name)
             with self._mu:
                 self._cancels = [c for c in self._cancels if c[0] != name]
-        return self._inflight.pop(name, None)
+        return self.inflight.pop(name, None)
 
-    def _take_join(self) -> Optional[Handle]:
+    def take_join(self) -> Optional[Handle]:
         with self._mu:
             handle, self._join = self._join, None
         return handle
@@ -628,19 +628,19 @@ class Engine:
             with self._table_lock:
                 infos = self.neg.stalled(now, sc.check)
             with self._mu:
-                mine = list(self._inflight.values()) if stuck else []
+                mine = list(self.inflight.values()) if stuck else []
             sc.warn(now, infos, mine, since)
         if sc.kill > 0:
             with self._table_lock:
                 infos = {i.name: i for i in self.neg.stalled(now, 0.0)}
             with self._mu:
-                cancels, local = sc.to_fail(now, infos, list(self._inflight.values()),
-                                            self._cancelled, stuck, since)
+                cancels, local = sc.to_fail(now, infos, list(self.inflight.values()),
+                                            self.cancelled, stuck, since)
                 for name, msg in cancels:
-                    self._cancelled.add(name)
+                    self.cancelled.add(name)
                     self._cancels.append((name, msg))
                 for r in local:
-                    self._inflight.pop(r.ann.name)
+                    self.inflight.pop(r.ann.name)
             for r in local:
                 r.handle.resolve(error=sc.local_error(r, now, since))
 

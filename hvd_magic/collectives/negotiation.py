@@ -35,7 +35,9 @@ class Ann(NamedTuple):
     obj: bool = False               # broadcast_object: only the root's shape counts
 
 
-_tuple_new = tuple.__new__
+#: ``new_tuple(Ann, fields)`` builds a namedtuple without its constructor's argument
+#: handling (~0.3 us less a call on the hot paths that make one per request).
+new_tuple = tuple.__new__
 
 
 def allreduce_ann(name: str, dtype: str, shape: tuple, op: int, prescale: float,
@@ -43,7 +45,7 @@ def allreduce_ann(name: str, dtype: str, shape: tuple, op: int, prescale: float,
     """``Ann(name, "allreduce", dtype, shape, op, -1, prescale, postscale, device)``, built
     without the namedtuple constructor's keyword handling (every allreduce makes one:
     ~0.2 us instead of ~0.4 us)."""
-    return _tuple_new(Ann, (name, "allreduce", dtype, shape, op, -1, prescale, postscale,
+    return new_tuple(Ann, (name, "allreduce", dtype, shape, op, -1, prescale, postscale,
                             device, None, False))
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Optional, Sequence, Union
 
 from .. import config as env
-from .state import _lock, _require, _state, start
+from .state import lock, require, runtime, start
 
 
 class ProcessSet:
@@ -60,7 +60,7 @@ class ProcessSet:
         if self.process_set_id is None:
             return None
         if self.process_set_id == 0:
-            return _require().size
+            return require().size
         return len(_ranks_of(self.process_set_id))
 
     def rank(self) -> Optional[int]:
@@ -69,18 +69,18 @@ class ProcessSet:
         if self.process_set_id is None:
             return None
         if self.process_set_id == 0:
-            return _require().rank
+            return require().rank
         ranks = _ranks_of(self.process_set_id)
-        me = _require().rank
+        me = require().rank
         return ranks.index(me) if me in ranks else None
 
     def included(self) -> Optional[bool]:
         """Whether this rank is in the set (None when its ranks are not known yet)."""
         if self.process_set_id == 0:
-            return _state.engine is not None
+            return runtime.engine is not None
         if self.ranks is None:
             return None
-        return _require().rank in self.ranks
+        return require().rank in self.ranks
 
     def __repr__(self) -> str:
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
@@ -91,7 +91,7 @@ global_process_set.process_set_id = 0
 
 
 def _ranks_of(set_id: int) -> list:
-    st = _require()
+    st = require()
     if set_id == 0:
         return list(range(st.size))
     entry = st.sets.get(set_id)
@@ -121,8 +121,8 @@ def init(comm: Optional[Any] = None, process_sets: Any = None) -> None:
             raise TypeError('init(process_sets=...) takes a list of ProcessSet or "dynamic", '
                             f"not {process_sets!r}")
     if start(comm):
-        _state.dynamic = dynamic or env.get("HOROVOD_DYNAMIC_PROCESS_SETS")
-        global_process_set.ranks = list(range(_state.size))
+        runtime.dynamic = dynamic or env.get("HOROVOD_DYNAMIC_PROCESS_SETS")
+        global_process_set.ranks = list(range(runtime.size))
         if sets:
             _register(sets)
             for i, ps in enumerate(sets):
@@ -139,7 +139,7 @@ def init(comm: Optional[Any] = None, process_sets: Any = None) -> None:
 def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet:
     """Register a new set after ``hvd.init()`` and return it (every rank calls it, with the
     same ranks). Needs ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` or ``init(process_sets="dynamic")``."""
-    st = _require()
+    st = require()
     if not st.dynamic:
         raise ValueError("add_process_set needs dynamic process sets: set "
                          "HOROVOD_DYNAMIC_PROCESS_SETS=1 or call hvd.init(process_sets=\"dynamic\")")
@@ -155,7 +155,7 @@ def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet
 def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister ``process_set`` (every rank calls it); False for the global set or a set
     that is not registered. Its ranks' pending requests on it fail."""
-    st = _require()
+    st = require()
     if not isinstance(process_set, ProcessSet):
         raise TypeError(f"remove_process_set takes a ProcessSet, not {type(process_set).__name__}")
     set_id = process_set.process_set_id
@@ -168,7 +168,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
                          "rank removes the same set, in the same order")
     if set_id is None or set_id == 0 or set_id not in st.sets:
         return False
-    with _lock:
+    with lock:
         entry = st.sets.pop(set_id)
     if entry.engine is not None:
         entry.engine.shutdown(env.get("HVD_MAGIC_SHUTDOWN_TIMEOUT"))
@@ -181,7 +181,7 @@ def _register(sets: list, adding: bool = False) -> None:
     """Give ``sets`` ids and engines (collective over every rank, on the control
     communicator). Every rank's list may differ only where sets come from communicators."""
     from mpi4py import MPI
-    st = _require()
+    st = require()
     if not st.threads:
         raise ValueError("process sets need MPI with MPI_THREAD_MULTIPLE (each set's engine "
                          "thread calls MPI); this MPI runs with a lower thread level")
@@ -210,7 +210,7 @@ def _register(sets: list, adding: bool = False) -> None:
         group = world.Incl(list(t))
         comm = st.control.Create(group)
         group.Free()
-        with _lock:
+        with lock:
             set_id = st.next_set_id
             st.next_set_id += 1
             st.sets[set_id] = _Entry(list(t), None)
@@ -253,7 +253,7 @@ class _Entry:
 def engine_of(process_set: Any):
     """The engine that runs collectives of ``process_set`` on this rank (ValueError when
     the set is unknown or this rank is not in it)."""
-    st = _require()
+    st = require()
     set_id = getattr(process_set, "process_set_id", "?")
     if set_id == 0:
         return st.engine

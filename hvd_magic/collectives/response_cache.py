@@ -39,7 +39,7 @@ from typing import Optional
 import numpy as np
 
 from .codec import split_noname
-from .negotiation import Ann, Response, _tuple_new
+from .negotiation import Ann, Response, new_tuple
 
 KEPT_KINDS = frozenset(("allreduce", "reducescatter", "broadcast"))
 
@@ -69,7 +69,7 @@ class ResponseCache:
         if ".noname." not in ann[0]:
             return ann
         head, _, rest = split_noname(ann[0])
-        return _tuple_new(Ann, (f"{head}\0{rest}",) + ann[1:])
+        return new_tuple(Ann, (f"{head}\0{rest}",) + ann[1:])
 
     def slot(self, ann: Ann) -> Optional[int]:
         """The slot this request is announced by, or None."""

@@ -15,7 +15,10 @@ from .errors import NOT_INITIALIZED
 
 
 @dataclass
-class _State:
+class Runtime:
+    """This process's runtime (one per process: :data:`runtime`); the collectives' modules
+    read it, :func:`start` and :func:`shutdown` change it."""
+
     comm: Any = None          # the communicator hvd trains on (world or a subset)
     engine: Any = None
     timeline: Any = None
@@ -41,8 +44,9 @@ class _State:
         return Engine(comm, cfg, self.timeline, ranks=ranks, set_id=set_id)
 
 
-_state = _State()
-_lock = threading.Lock()
+runtime = Runtime()
+#: Held while the runtime starts, stops or registers a process set.
+lock = threading.Lock()
 
 
 def _mpi():
@@ -57,19 +61,19 @@ def start(comm: Optional[Any] = None) -> bool:
     (only the ranks in the list call ``init``). Calling ``init`` again while initialized
     does nothing; after ``shutdown`` it starts a fresh runtime.
     """
-    with _lock:
-        if _state.engine is not None and _state.engine.dead is None:
+    with lock:
+        if runtime.engine is not None and runtime.engine.dead is None:
             return False
         MPI = _mpi()
-        if _state.world is None:   # a rank that elastic.resize spawned joins its spawners
+        if runtime.world is None:   # a rank that elastic.resize spawned joins its spawners
             parent = MPI.Comm.Get_parent()
             if parent == MPI.COMM_NULL:
-                _state.world = MPI.COMM_WORLD
+                runtime.world = MPI.COMM_WORLD
             else:
-                _state.world = parent.Merge(high=True)
+                runtime.world = parent.Merge(high=True)
                 # the spawners' settings: a rank started on another host has a bare environment
-                os.environ.update(_state.world.bcast(None, root=0))
-        world = _state.world
+                os.environ.update(runtime.world.bcast(None, root=0))
+        world = runtime.world
         if comm is None:
             base = world
         elif isinstance(comm, MPI.Comm):
@@ -111,26 +115,26 @@ def start(comm: Optional[Any] = None) -> bool:
             (cfg.fusion_threshold, cfg.cpu_operations, cfg.allreduce_chunk, cfg.cache_capacity),
             root=0)
         cfg.allreduce_chunk = chunk if local.Get_size() == mine.Get_size() else 0
-        old = _state.timeline
+        old = runtime.timeline
         tl = Timeline(mine.Get_rank(), old.subscribers if old is not None else None)
-        _state.comm = base
-        _state.rank, _state.size = mine.Get_rank(), mine.Get_size()
-        _state.local_rank, _state.local_size = local.Get_rank(), local.Get_size()
-        _state.cross_rank, _state.cross_size = cross.Get_rank(), cross.Get_size()
-        _state.threads = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        runtime.comm = base
+        runtime.rank, runtime.size = mine.Get_rank(), mine.Get_size()
+        runtime.local_rank, runtime.local_size = local.Get_rank(), local.Get_size()
+        runtime.cross_rank, runtime.cross_size = cross.Get_rank(), cross.Get_size()
+        runtime.threads = MPI.Query_thread() == MPI.THREAD_MULTIPLE
         local.Free()
         cross.Free()
-        _state.config = cfg
-        _state.control = base.Dup()
-        _state.sets, _state.next_set_id = {}, 1
-        _state.timeline = tl
+        runtime.config = cfg
+        runtime.control = base.Dup()
+        runtime.sets, runtime.next_set_id = {}, 1
+        runtime.timeline = tl
         if cfg.timeline:
             tl.recording = True
             tl.mark_cycles = cfg.timeline_mark_cycles
         engine = Engine(mine, cfg, tl)
-        if cfg.timeline and _state.rank == 0:
+        if cfg.timeline and runtime.rank == 0:
             engine.writer = TimelineWriter(cfg.timeline, cfg.timeline_mark_cycles)
-        _state.engine = engine
+        runtime.engine = engine
         return True
 
 
@@ -150,29 +154,29 @@ def _set_switch_interval() -> None:
 def shutdown(timeout: Optional[float] = None) -> None:
     """Stop the runtime on this rank once every rank has called ``shutdown`` (waits up to
     ``timeout`` s, default ``HVD_MAGIC_SHUTDOWN_TIMEOUT`` or 30). Pending work fails."""
-    with _lock:
-        engine = _state.engine
+    with lock:
+        engine = runtime.engine
         if engine is None:
             return
         if timeout is None:
             timeout = env.get("HVD_MAGIC_SHUTDOWN_TIMEOUT")
-        for entry in _state.sets.values():       # process sets first, each among its ranks
+        for entry in runtime.sets.values():       # process sets first, each among its ranks
             if entry.engine is not None and entry.engine.shutdown(timeout):
                 entry.engine.comm.Free()
-        _state.sets = {}
+        runtime.sets = {}
         finished = engine.shutdown(timeout)
         if finished:
             engine.comm.Free()
-            _state.control.Free()
+            runtime.control.Free()
         else:
             import sys
-            sys.stderr.write(f"[hvd_magic rank {_state.rank}] shutdown: the other ranks did not call "
+            sys.stderr.write(f"[hvd_magic rank {runtime.rank}] shutdown: the other ranks did not call "
                              f"shutdown() within {timeout:g} s; leaving without them\n")
-        _state.engine = None
+        runtime.engine = None
 
 
 def _at_exit() -> None:
-    if _state.engine is not None and _state.engine.dead is None:
+    if runtime.engine is not None and runtime.engine.dead is None:
         try:
             shutdown(timeout=env.get("HVD_MAGIC_EXIT_TIMEOUT"))
         except Exception:
@@ -183,56 +187,57 @@ atexit.register(_at_exit)
 
 
 def engine():
-    e = _state.engine
+    e = runtime.engine
     if e is None:
         raise ValueError(NOT_INITIALIZED)
     return e
 
 
 def is_initialized() -> bool:
-    return _state.engine is not None
+    return runtime.engine is not None
 
 
-def _require() -> _State:
-    if _state.engine is None:
+def require() -> Runtime:
+    """The runtime, or ValueError saying ``hvd.init()`` has not been called."""
+    if runtime.engine is None:
         raise ValueError(NOT_INITIALIZED)
-    return _state
+    return runtime
 
 
 def size() -> int:
     """Number of ranks training together."""
-    return _require().size
+    return require().size
 
 
 def rank() -> int:
     """This process's rank, 0 .. size()-1."""
-    return _require().rank
+    return require().rank
 
 
 def local_size() -> int:
     """Number of ranks on this host."""
-    return _require().local_size
+    return require().local_size
 
 
 def local_rank() -> int:
     """This rank's index among the ranks on its host (use it to pick a GPU)."""
-    return _require().local_rank
+    return require().local_rank
 
 
 def cross_size() -> int:
     """Number of hosts (ranks with the same local rank across hosts)."""
-    return _require().cross_size
+    return require().cross_size
 
 
 def cross_rank() -> int:
     """This host's index among the hosts."""
-    return _require().cross_rank
+    return require().cross_rank
 
 
 def mpi_threads_supported() -> bool:
     """True when MPI runs with MPI_THREAD_MULTIPLE."""
-    if _state.engine is not None:
-        return _state.threads
+    if runtime.engine is not None:
+        return runtime.threads
     MPI = _mpi()
     return MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
