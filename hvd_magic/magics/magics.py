@@ -147,7 +147,7 @@ class HvdMagics(Magics):
         if not code:
             raise UsageError("%hvd scale: no %%hvd cell has run yet; put the code in the cell: "
                              "%%hvd scale --np 1,2,4")
-        from ..widgets import scale
+        from .scale import scale
         self.history.append({"kind": "scale", "nps": nps, "source": code})
         try:
             return scale(self.manager, code, nps)

@@ -36,13 +36,3 @@ def set_baseline(samples_per_s: float, code: Any = None) -> None:
     """The 1-rank samples/s that scaling efficiency compares against."""
     from .session import session
     session().set_baseline(samples_per_s, code)
-
-
-def scale(manager: Any, code: str, nps: Any) -> Any:
-    """Run ``code`` at each pool size of ``nps`` (``"1,2,4"`` or a list), show the plot and
-    table, return the points (what ``%hvd scale --np 1,2,4`` calls)."""
-    from . import scaling as S
-    sizes = S.parse_np_list(nps) if isinstance(nps, str) else sorted(set(nps))
-    points = S.run_scaling(manager, code, sizes, progress=print)
-    S.show_scaling(points)
-    return points

@@ -23,7 +23,7 @@ font-size:12px;line-height:1.3}
 </style>"""
 
 
-def _load_bokeh() -> None:
+def load_bokeh() -> None:
     """BokehJS inline, once per kernel (no CDN here; see /work/shared/FACTS.md). The loader
     output (about 8 MB) gets a display id so :func:`_drop_bokeh_loader` can empty it once the
     browser has run it: a saved notebook then does not carry BokehJS."""
@@ -130,7 +130,7 @@ class WidgetSink:
 
     # -- plot
     def _make_plot(self) -> None:
-        _load_bokeh()
+        load_bokeh()
         from bokeh.models import ColumnDataSource, HoverTool
         from bokeh.plotting import figure
         from jupyter_bokeh import BokehModel

@@ -1,15 +1,14 @@
 """``%hvd scale --np 1,2,4``: run one cell at several pool sizes and plot throughput and
 scaling efficiency against ranks, with the ideal (linear) line.
 
-Pure: :func:`parse_np_list`, :func:`scale_rows`, :func:`scale_text`. Doing:
-:func:`run_scaling` (needs a :class:`hvd_magic.kernel.PoolManager`), :func:`plot_scaling`
-(bokeh), :func:`show_scaling` (widget or text).
+Pure: :func:`parse_np_list`, :func:`scale_rows`, :func:`scale_text`. Drawing:
+:func:`plot_scaling` (bokeh), :func:`show_scaling` (widget or text). Running the cell at
+each size is the magics' (:mod:`hvd_magic.magics.scale`): a view only draws.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from .model import fmt_pct, fmt_rate
 
@@ -89,31 +88,6 @@ def plot_scaling(points: Sequence[ScalePoint]) -> Any:
     return row(f1, f2)
 
 
-def run_scaling(manager: Any, code: str, nps: Sequence[int],
-                progress: Optional[Callable[[str], None]] = None) -> List[ScalePoint]:
-    """Run ``code`` on pools of each size in ``nps`` (restarting the pool as needed) with
-    telemetry on; returns the measured points. Needs ``hvd_magic.report(samples=n)`` in the
-    cell. The 1-rank throughput becomes the baseline of later cells with the same code."""
-    from .session import session
-    from .text import TelemetryTextSink
-    points: List[ScalePoint] = []
-    for n in nps:
-        pool = manager.ensure(n, None, None, None)
-        snk = TelemetryTextSink(ranks=list(range(n)), stream_output=False)
-        snk.status = lambda _t: None            # type: ignore[method-assign]
-        t0 = time.time()
-        pool.run_cell(code, snk)
-        cell = snk.cell
-        points.append(ScalePoint(n, cell.total_rate(), cell.rates(), cell.comm_mean(),
-                                 time.time() - t0))
-        if progress:
-            progress(f"hvd scale: {n} rank(s): {fmt_rate(cell.total_rate())} samples/s")
-    rows = scale_rows(points)
-    if rows and rows[0]["np"] == 1 and rows[0]["total"]:
-        session().set_baseline(rows[0]["total"], code)
-    return points
-
-
 def show_scaling(points: Sequence[ScalePoint]) -> None:
     """Display the plot (Jupyter with bokeh) and the table."""
     from .sink import widgets_available
@@ -121,6 +95,6 @@ def show_scaling(points: Sequence[ScalePoint]) -> None:
     if widgets_available():
         from IPython.display import display
         from jupyter_bokeh import BokehModel
-        from .panel import _load_bokeh
-        _load_bokeh()
+        from .panel import load_bokeh
+        load_bokeh()
         display(BokehModel(plot_scaling(points)))

@@ -1,0 +1,43 @@
+"""Runs in the notebook kernel. ``%%hvd scale --np 1,2,4``: run one cell on pools of each
+size and show what the scaling plot (:mod:`hvd_magic.widgets.scaling`) draws of it."""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, List, Optional, Sequence
+
+from ..widgets.model import fmt_rate
+from ..widgets.scaling import ScalePoint, parse_np_list, scale_rows, show_scaling
+
+
+def scale(manager: Any, code: str, nps: Any) -> List[ScalePoint]:
+    """Run ``code`` at each pool size of ``nps`` (``"1,2,4"`` or a list), show the plot and
+    table, return the points."""
+    sizes = parse_np_list(nps) if isinstance(nps, str) else sorted(set(nps))
+    points = run_scaling(manager, code, sizes, progress=print)
+    show_scaling(points)
+    return points
+
+
+def run_scaling(manager: Any, code: str, nps: Sequence[int],
+                progress: Optional[Callable[[str], None]] = None) -> List[ScalePoint]:
+    """Run ``code`` on pools of each size in ``nps`` (restarting the pool as needed) with
+    telemetry on; returns the measured points. Needs ``hvd_magic.report(samples=n)`` in the
+    cell. The 1-rank throughput becomes the baseline of later cells with the same code."""
+    from ..widgets.session import session
+    from ..widgets.text import TelemetryTextSink
+    points: List[ScalePoint] = []
+    for n in nps:
+        pool = manager.ensure(n, None, None, None)
+        snk = TelemetryTextSink(ranks=list(range(n)), stream_output=False)
+        snk.status = lambda _t: None            # type: ignore[method-assign]
+        t0 = time.time()
+        pool.run_cell(code, snk)
+        cell = snk.cell
+        points.append(ScalePoint(n, cell.total_rate(), cell.rates(), cell.comm_mean(),
+                                 time.time() - t0))
+        if progress:
+            progress(f"hvd scale: {n} rank(s): {fmt_rate(cell.total_rate())} samples/s")
+    rows = scale_rows(points)
+    if rows and rows[0]["np"] == 1 and rows[0]["total"]:
+        session().set_baseline(rows[0]["total"], code)
+    return points
