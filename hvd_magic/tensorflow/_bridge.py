@@ -24,7 +24,7 @@ from hvd_magic.collectives.elastic import fault_tolerant
 from ._compat import import_tf
 
 tf = import_tf()
-_plain = tf.autograph.experimental.do_not_convert   # no autograph rewriting of these
+plain = tf.autograph.experimental.do_not_convert   # no autograph rewriting of these
 
 
 class CollectiveMismatchError(tf.errors.FailedPreconditionError, TensorMismatchError):
@@ -125,7 +125,7 @@ def _graph_failure(what: str, name: Optional[str]) -> Any:
 _LAST_HOST_OP: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # graph -> last op
 
 
-@_plain
+@plain
 def host_call(fn: Callable[..., Sequence[Any]], inputs: Sequence[Any], touts: Sequence[Any],
               shapes: Sequence[Any], what: str, name: Optional[str] = None) -> list:
     """Run ``fn`` (numpy arrays in, a list of numpy arrays out) on ``inputs``: directly when

@@ -19,11 +19,11 @@ from hvd_magic.collectives.process_sets import engine_of
 from ._compat import import_tf
 from .compression import Compression, Compressor, check_compression
 from ._bridge import host_call, is_static, movable, read_when_run
-from .mpi_ops import (_check_grad_op, _grouped, _my_rows, _own_rows, _place, place_when_run,
-                      _tensor, scale_like_horovod)
+from .mpi_ops import (check_grad_op, grouped, my_rows, own_rows, placement, place_when_run,
+                      as_tensor, scale_like_horovod)
 
 tf = import_tf()
-_plain = tf.autograph.experimental.do_not_convert
+plain = tf.autograph.experimental.do_not_convert
 
 __all__ = ["grouped_allgather", "grouped_reducescatter", "broadcast_variables", "broadcast_",
            "broadcast_global_variables", "broadcast_object", "broadcast_object_fn", "allgather_object", "size_op",
@@ -35,13 +35,13 @@ __all__ = ["grouped_allgather", "grouped_reducescatter", "broadcast_variables", 
 def _dense_list(tensors: Any, fn: str) -> list:
     if not isinstance(tensors, (list, tuple)):
         raise TypeError(f"hvd_magic.tensorflow.{fn} takes a list of tensors, not {type(tensors).__name__}")
-    xs = [_tensor(t, fn) for t in tensors]
+    xs = [as_tensor(t, fn) for t in tensors]
     if any(isinstance(x, tf.IndexedSlices) for x in xs):
         raise TypeError(f"{fn} takes dense tensors; densify tf.IndexedSlices with tf.convert_to_tensor")
     return xs
 
 
-@_plain
+@plain
 def grouped_allgather(tensors: Sequence[Any], name: Optional[str] = None,
                       ignore_name_scope: bool = False,
                       process_set: ProcessSet = global_process_set) -> list:
@@ -71,13 +71,13 @@ def grouped_allgather(tensors: Sequence[Any], name: Optional[str] = None,
         ys, rows = outs[:k], outs[k:]
 
         def grad(*dys: Any) -> Any:
-            avg = _grouped([tf.convert_to_tensor(d) for d in dys], None, Average, 1.0, 1.0, process_set)
-            return [_own_rows(g, rw, r, sc) for g, rw, sc in zip(avg, rows, scalars)]
+            avg = grouped([tf.convert_to_tensor(d) for d in dys], None, Average, 1.0, 1.0, process_set)
+            return [own_rows(g, rw, r, sc) for g, rw, sc in zip(avg, rows, scalars)]
         return ys, grad
     return list(f(*xs))
 
 
-@_plain
+@plain
 def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
                           compression: type[Compressor] = Compression.none, op: Any = Average,
                           process_set: ProcessSet = global_process_set,
@@ -99,7 +99,7 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
         return []
     if any(x.shape.rank == 0 for x in xs):
         raise ValueError("grouped_reducescatter needs tensors with at least one dimension")
-    _place(process_set)
+    placement(process_set)
     pairs = [compression.compress(x) for x in xs]
     outs = _grouped_reducescatter([p[0] for p in pairs], name, op, float(prescale_factor),
                                   float(postscale_factor), process_set)
@@ -112,13 +112,13 @@ def _grouped_reducescatter(xs: list, name: Optional[str], op: Any, pre: float, p
 
     @tf.custom_gradient
     def f(*ts: Any) -> Any:
-        shapes = [tf.TensorShape([_my_rows(t.shape[0], n, r)]).concatenate(t.shape[1:]) for t in ts]
+        shapes = [tf.TensorShape([my_rows(t.shape[0], n, r)]).concatenate(t.shape[1:]) for t in ts]
         outs = host_call(lambda *a: C.grouped_reducescatter(list(a), name=name, op=op, prescale_factor=pre,
                                                             postscale_factor=post, process_set=ps),
                          ts, [t.dtype for t in ts], shapes, "grouped_reducescatter", name)
 
         def grad(*dys: Any) -> Any:
-            _check_grad_op(op, "grouped_reducescatter")
+            check_grad_op(op, "grouped_reducescatter")
             gs = grouped_allgather([tf.convert_to_tensor(d) for d in dys], process_set=ps)
             return [scale_like_horovod(g, op, pre, post, n) for g in gs]
         return outs, grad
@@ -220,7 +220,7 @@ def broadcast_global_variables(root_rank: int) -> Any:
     return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
 
 
-@_plain
+@plain
 def broadcast_(variables: Iterable[Any], root_rank: int, name: Optional[str] = None,
                process_set: ProcessSet = global_process_set) -> list:
     """In-place broadcast: every rank's ``variables`` (every rank of ``process_set``) are

@@ -21,7 +21,7 @@ from hvd_magic.collectives.ops import to_op
 from ._compat import import_tf
 from .compression import Compression, Compressor, check_compression
 from ._bridge import host_call, is_static, read_when_run
-from .mpi_ops import _grouped, _sparse_allreduce
+from .mpi_ops import grouped, sparse_allreduce
 
 tf = import_tf()
 
@@ -128,7 +128,7 @@ class GradientReducer:
                     raise ValueError("op=hvd.Adasum does not take sparse gradients (tf.IndexedSlices), "
                                      "as in Horovod; pass sparse_as_dense=True")
                 if not self.sparse_as_dense:
-                    out[i] = _sparse_allreduce(g, f"{self.name}.sparse.{i}", self.op, self.ps)
+                    out[i] = sparse_allreduce(g, f"{self.name}.sparse.{i}", self.op, self.ps)
                     continue
                 g = tf.convert_to_tensor(g)
             out[i] = g
@@ -144,7 +144,7 @@ class GradientReducer:
                                                  else None)):
             pos = [dense_pos[j] for j in bucket]
             pairs = [self.compression.compress(out[p]) for p in pos]
-            reduced = _grouped([c for c, _ in pairs], f"{self.name}.{b}", self.op, self.prescale,
+            reduced = grouped([c for c, _ in pairs], f"{self.name}.{b}", self.op, self.prescale,
                                self.postscale, self.ps)
             for p, r, (_, ctx) in zip(pos, reduced, pairs):
                 out[p] = self.compression.decompress(r, ctx)

@@ -29,11 +29,11 @@ from hvd_magic.collectives import Average, ProcessSet, Sum, global_process_set
 from hvd_magic.collectives.ops import resolve_op, to_op
 from hvd_magic.collectives.process_sets import engine_of
 
-from ._bridge import ArgumentError, _plain, host_call, is_static, movable, read_when_run, tf
+from ._bridge import ArgumentError, plain, host_call, is_static, movable, read_when_run, tf
 from .compression import Compression, Compressor, check_compression
 
 
-def _tensor(x: Any, fn: str) -> Any:
+def as_tensor(x: Any, fn: str) -> Any:
     """``x`` as a tf.Tensor (Variables are read), or a TypeError naming ``fn``."""
     if isinstance(x, tf.IndexedSlices):
         return x
@@ -47,7 +47,7 @@ def _tensor(x: Any, fn: str) -> Any:
 _op = resolve_op   # Horovod's average=/op= rule, shared by the faces
 
 
-def _place(process_set: ProcessSet) -> tuple:
+def placement(process_set: ProcessSet) -> tuple:
     """``(rank within, size of)`` ``process_set`` for this rank; ValueError naming the set when
     this rank is not in it (or it is not registered), TypeError when it is no ProcessSet."""
     try:
@@ -60,17 +60,17 @@ def _place(process_set: ProcessSet) -> tuple:
 
 
 def place_when_run(process_set: ProcessSet) -> tuple:
-    """:func:`_place`, read each time a graph runs in an elastic job (see
+    """:func:`placement`, read each time a graph runs in an elastic job (see
     :func:`~._bridge.read_when_run`): a graph traced before the job grew or shrank then takes
     this rank's place and the size as they are now."""
-    _place(process_set)
+    placement(process_set)
     if process_set.process_set_id == 0:
         return read_when_run(C.rank, "hvd_rank"), read_when_run(C.size, "hvd_size")
     return (read_when_run(process_set.rank, "hvd_set_rank"),
             read_when_run(process_set.size, "hvd_set_size"))
 
 
-def _check_grad_op(op: Any, fn: str) -> None:
+def check_grad_op(op: Any, fn: str) -> None:
     if op not in (Average, Sum):
         raise ValueError(f"the gradient of {fn} is only defined for op=hvd.Average or hvd.Sum, not "
                          f"{to_op(op).name}; stop the gradient (tf.stop_gradient) before {fn}")
@@ -87,7 +87,7 @@ def _allreduce(x: Any, name: Optional[str], op: Any, pre: float, post: float,
                          [t], [t.dtype], [t.shape], "allreduce", name)
 
         def grad(dy: Any) -> Any:
-            _check_grad_op(op, "allreduce")
+            check_grad_op(op, "allreduce")
             return _allreduce(tf.convert_to_tensor(dy), None, op, pre, post, ps)
         return y, grad
     return f(x)
@@ -98,8 +98,8 @@ class SparseOpError(NotImplementedError, ValueError):
     NotImplementedError Horovod raises."""
 
 
-@_plain
-def _sparse_allreduce(s: Any, name: Optional[str], op: Any,
+@plain
+def sparse_allreduce(s: Any, name: Optional[str], op: Any,
                       ps: ProcessSet = global_process_set) -> Any:
     """Horovod's allreduce of tf.IndexedSlices: allgather values and indices (Average divides
     the values by the number of ranks); duplicates are summed when the slices are applied."""
@@ -114,7 +114,7 @@ def _sparse_allreduce(s: Any, name: Optional[str], op: Any,
     return tf.IndexedSlices(values, indices, dense_shape=s.dense_shape)
 
 
-@_plain
+@plain
 def allreduce(tensor: Any, average: Optional[bool] = None, device_dense: str = "",
               device_sparse: str = "", compression: type[Compressor] = Compression.none,
               op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -139,21 +139,21 @@ def allreduce(tensor: Any, average: Optional[bool] = None, device_dense: str = "
     """
     op = _op(average, op, "allreduce")
     check_compression(compression)
-    tensor = _tensor(tensor, "allreduce")
-    _place(process_set)
+    tensor = as_tensor(tensor, "allreduce")
+    placement(process_set)
     if isinstance(tensor, tf.IndexedSlices):
         if float(prescale_factor) != 1.0 or float(postscale_factor) != 1.0:
             raise SparseOpError("allreduce of tf.IndexedSlices takes no prescale_factor/"
                                 "postscale_factor (as in Horovod); scale the values yourself")
-        return _sparse_allreduce(tensor, name, op, process_set)
+        return sparse_allreduce(tensor, name, op, process_set)
     compressed, ctx = compression.compress(tensor)
     out = _allreduce(compressed, name, op, float(prescale_factor), float(postscale_factor),
                      process_set)
     return compression.decompress(out, ctx)
 
 
-def _grouped(xs: list, name: Optional[str], op: Any, pre: float, post: float,
-             ps: ProcessSet = global_process_set) -> list:
+def grouped(xs: list, name: Optional[str], op: Any, pre: float, post: float,
+            ps: ProcessSet = global_process_set) -> list:
     @tf.custom_gradient
     def f(*ts: Any) -> Any:
         outs = host_call(lambda *a: C.grouped_allreduce(list(a), name=name, op=op, prescale_factor=pre,
@@ -161,13 +161,13 @@ def _grouped(xs: list, name: Optional[str], op: Any, pre: float, post: float,
                          ts, [t.dtype for t in ts], [t.shape for t in ts], "grouped_allreduce", name)
 
         def grad(*dys: Any) -> Any:
-            _check_grad_op(op, "grouped_allreduce")
-            return _grouped([tf.convert_to_tensor(d) for d in dys], None, op, pre, post, ps)
+            check_grad_op(op, "grouped_allreduce")
+            return grouped([tf.convert_to_tensor(d) for d in dys], None, op, pre, post, ps)
         return outs, grad
     return list(f(*xs))
 
 
-@_plain
+@plain
 def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None,
                       device_dense: str = "", device_sparse: str = "",
                       compression: type[Compressor] = Compression.none, op: Any = None,
@@ -187,10 +187,10 @@ def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None,
         raise TypeError("grouped_allreduce takes a list of tensors")
     op = _op(average, op, "grouped_allreduce")
     check_compression(compression)
-    _place(process_set)
+    placement(process_set)
     if not tensors:
         return []
-    ts = [_tensor(t, "grouped_allreduce") for t in tensors]
+    ts = [as_tensor(t, "grouped_allreduce") for t in tensors]
     sparse = [i for i, t in enumerate(ts) if isinstance(t, tf.IndexedSlices)]
     dense = [i for i, t in enumerate(ts) if not isinstance(t, tf.IndexedSlices)]
     results: list = [None] * len(ts)
@@ -199,11 +199,11 @@ def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None,
             raise SparseOpError("grouped_allreduce of tf.IndexedSlices takes no prescale_factor/"
                                 "postscale_factor (as in Horovod); scale the values yourself")
         for k, i in enumerate(sparse):
-            results[i] = _sparse_allreduce(ts[i], None if name is None else f"{name}.sparse{k}",
+            results[i] = sparse_allreduce(ts[i], None if name is None else f"{name}.sparse{k}",
                                            op, process_set)
     if dense:
         pairs = [compression.compress(ts[i]) for i in dense]
-        outs = _grouped([p[0] for p in pairs], name, op, float(prescale_factor),
+        outs = grouped([p[0] for p in pairs], name, op, float(prescale_factor),
                         float(postscale_factor), process_set)
         for i, o, p in zip(dense, outs, pairs):
             results[i] = compression.decompress(o, p[1])
@@ -220,14 +220,14 @@ def _gather_host(a: np.ndarray, name: Optional[str], ps: ProcessSet) -> list:
     return [out, np.asarray([int(r) for r in rows], dtype=np.int64)]
 
 
-def _own_rows(g: Any, rows: Any, r: int, scalar: bool) -> Any:
+def own_rows(g: Any, rows: Any, r: int, scalar: bool) -> Any:
     """This rank's rows (rank ``r`` of the set) of a gathered gradient ``g``."""
     start = tf.reduce_sum(rows[:r])
     mine = g[start:start + rows[r]]
     return tf.reshape(mine, []) if scalar else mine
 
 
-@_plain
+@plain
 def allgather(tensor: Any, name: Optional[str] = None, ignore_name_scope: bool = False,
               process_set: ProcessSet = global_process_set) -> Any:
     """Concatenate every rank's tensor (of ``process_set``, in set order) along dimension 0
@@ -238,7 +238,7 @@ def allgather(tensor: Any, name: Optional[str] = None, ignore_name_scope: bool =
         rank 0: allgather(tf.constant([[1, 2]]))          -> [[1, 2], [3, 4], [5, 6]]
         rank 1: allgather(tf.constant([[3, 4], [5, 6]]))  -> [[1, 2], [3, 4], [5, 6]]
     """
-    x = _tensor(tensor, "allgather")
+    x = as_tensor(tensor, "allgather")
     if isinstance(x, tf.IndexedSlices):
         raise TypeError("allgather takes a dense tensor; use allreduce for tf.IndexedSlices")
     scalar = x.shape.rank == 0
@@ -252,12 +252,12 @@ def allgather(tensor: Any, name: Optional[str] = None, ignore_name_scope: bool =
 
         def grad(dy: Any) -> Any:
             g = _allreduce(tf.convert_to_tensor(dy), None, Average, 1.0, 1.0, process_set)
-            return _own_rows(g, rows, r, scalar)
+            return own_rows(g, rows, r, scalar)
         return y, grad
     return f(x)
 
 
-@_plain
+@plain
 def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None,
               ignore_name_scope: bool = False, process_set: ProcessSet = global_process_set) -> Any:
     """Every rank (of ``process_set``) gets a copy of ``root_rank``'s tensor; differentiable.
@@ -268,7 +268,7 @@ def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None,
         rank 0: broadcast(tf.constant([1, 2]), root_rank=0)  -> [1, 2]
         rank 1: broadcast(tf.constant([0, 0]), root_rank=0)  -> [1, 2]
     """
-    x = _tensor(tensor, "broadcast")
+    x = as_tensor(tensor, "broadcast")
     if isinstance(x, tf.IndexedSlices):
         x = tf.convert_to_tensor(x)
     C.api.check_root(root_rank, engine_of(process_set))
@@ -294,7 +294,7 @@ def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None,
 
 # ---------------------------------------------------------------- alltoall, reducescatter
 
-@_plain
+@plain
 def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None,
              ignore_name_scope: bool = False, process_set: ProcessSet = global_process_set) -> Any:
     """Send ``splits[j]`` rows of ``tensor`` to rank j of ``process_set`` (equal shares when
@@ -309,7 +309,7 @@ def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None,
         rank 0: alltoall(tf.constant([1, 2, 3]), splits=[1, 2])     -> ([1, 4], [1, 1])
         rank 1: alltoall(tf.constant([4, 5, 6]), splits=[1, 2])     -> ([2, 3, 5, 6], [2, 2])
     """
-    x = _tensor(tensor, "alltoall")
+    x = as_tensor(tensor, "alltoall")
     _, n = place_when_run(process_set)
     if x.shape.rank == 0:
         raise ValueError("alltoall needs a tensor with at least one dimension")
@@ -342,7 +342,7 @@ def _alltoall(x: Any, sp: Any, name: Optional[str], ps: ProcessSet) -> tuple:
     return out, tf.stop_gradient(received[0])
 
 
-def _my_rows(rows: Optional[int], n: Any, r: Any) -> Optional[int]:
+def my_rows(rows: Optional[int], n: Any, r: Any) -> Optional[int]:
     """Rows of ``rows`` that rank ``r`` of ``n`` gets from a reducescatter (None: unknown,
     also when ``n`` or ``r`` is read only when the graph runs)."""
     if rows is None or not (is_static(n) and is_static(r)):
@@ -350,7 +350,7 @@ def _my_rows(rows: Optional[int], n: Any, r: Any) -> Optional[int]:
     return rows // n + (1 if r < rows % n else 0)
 
 
-@_plain
+@plain
 def reducescatter(tensor: Any, device_dense: str = "", compression: type[Compressor] = Compression.none,
                   op: Any = Average, name: Optional[str] = None,
                   process_set: ProcessSet = global_process_set, ignore_name_scope: bool = False,
@@ -366,10 +366,10 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: type[Compres
     """
     op = to_op(Average if op is None else op)
     check_compression(compression)
-    x = _tensor(tensor, "reducescatter")
+    x = as_tensor(tensor, "reducescatter")
     if x.shape.rank == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension")
-    _place(process_set)
+    placement(process_set)
     compressed, ctx = compression.compress(x)
     out = _reducescatter(compressed, name, op, float(prescale_factor), float(postscale_factor),
                          process_set)
@@ -382,13 +382,13 @@ def _reducescatter(x: Any, name: Optional[str], op: Any, pre: float, post: float
 
     @tf.custom_gradient
     def f(t: Any) -> Any:
-        shape = tf.TensorShape([_my_rows(t.shape[0], n, r)]).concatenate(t.shape[1:])
+        shape = tf.TensorShape([my_rows(t.shape[0], n, r)]).concatenate(t.shape[1:])
         (y,) = host_call(lambda a: [C.reducescatter(a, name=name, op=op, prescale_factor=pre,
                                                     postscale_factor=post, process_set=ps)],
                          [t], [t.dtype], [shape], "reducescatter", name)
 
         def grad(dy: Any) -> Any:
-            _check_grad_op(op, "reducescatter")
+            check_grad_op(op, "reducescatter")
             g = allgather(tf.convert_to_tensor(dy), process_set=ps)
             return scale_like_horovod(g, op, pre, post, n)
         return y, grad
