@@ -118,8 +118,8 @@ def shrink(failure: Optional[BaseException] = None) -> tuple:
     st.engine = None
     _skip_finalize_fence()
     n = survivors.Get_size()
-    # the lost ranks are those the survivors' group lacks (Get_failed() can still be empty
-    # here: a test saw "lost rank(s) ;" once in about 20 runs)
+    # the lost ranks are those the survivors' group lacks (ULFM's Get_failed() can still be
+    # empty at this point)
     group, old_group = survivors.Get_group(), base.Get_group()
     old_ranks = group.Translate_ranks(list(range(n)), old_group)
     group.Free()
@@ -164,10 +164,10 @@ def what_happened(lost: List[int], failed: Dict[int, str], past: bool = False) -
 
 def _skip_finalize_fence() -> None:
     """On a rank that survived a loss: MPI_Finalize skips its closing PMIx fence over the
-    whole job. In Open MPI 5.0.11 that fence, which still counts the dead rank, never
-    completed in 6 of 45 launches of benchmarks/elastic.py (the survivors finished training
-    and hung at exit, under hvdrun too; none of 24 since). Open MPI keeps the switch for it
-    in libmpi (``ompi_async_mpi_finalize``, no MCA name). Other MPIs: nothing to do."""
+    whole job. In Open MPI 5.0.11 that fence still counts the dead rank and sometimes never
+    completes, so survivors that finished training would hang at exit. Open MPI keeps the
+    switch for it in libmpi (``ompi_async_mpi_finalize``, no MCA name). Other MPIs: nothing
+    to do."""
     import ctypes
     from mpi4py import MPI
     if MPI.get_vendor()[0] != "Open MPI":

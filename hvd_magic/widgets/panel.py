@@ -24,7 +24,7 @@ font-size:12px;line-height:1.3}
 
 
 def load_bokeh() -> None:
-    """BokehJS inline, once per kernel (no CDN here; see /work/shared/FACTS.md). The loader
+    """BokehJS inline, once per kernel (a notebook offline cannot load it from a CDN). The loader
     output (about 8 MB) gets a display id so :func:`_drop_bokeh_loader` can empty it once the
     browser has run it: a saved notebook then does not carry BokehJS."""
     if session().bokeh_loaded:

@@ -6,10 +6,9 @@ Allreduce follows one rule: the engine fuses small tensors into one buffer up to
 allows it (``allreduce_``), else through the backend's own buffer (:meth:`_allreduce_one`),
 as MPI calls of at most that many bytes (one call when it fits, or with
 ``HVD_MAGIC_ALLREDUCE_CHUNK_MB=0``); on one host a buffer from 64 KiB to one piece goes
-through shared memory instead (:mod:`.shm`: 1.75x MPI's speed at 1 MiB). The pieces: at 2 ranks on one host 64 MiB ran
-1.7-3.3x and 16 MiB 1.0-1.5x faster than as one call (ten launches of
-``benchmarks/collectives.py``): one big call runs through temporaries of the whole size and
-falls out of the caches.
+through shared memory instead (:mod:`.shm`). Pieces, because one big call runs through
+temporaries of the whole size and falls out of the caches: 16 and 64 MiB run faster as
+1 MiB pieces (``benchmarks/collectives.py`` prints both).
 """
 from __future__ import annotations
 

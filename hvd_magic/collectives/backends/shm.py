@@ -1,12 +1,9 @@
 """Allreduce of a buffer of at most 1 MiB through a memory segment that every rank of one
 host maps (CPU tensors, :class:`~.mpi.MPIBackend`).
 
-Why: at 2 ranks on one host, Open MPI's in-place ``Allreduce`` of 1 MiB took 1.75-1.79x
-as long as this data path alone (three fresh launches: 162-172 us against 91-96 us),
-256 KiB 1.4-3.0x; at 4 MiB the two were even (0.87-1.53x), so bigger buffers stay with MPI.
-Inside ``benchmarks/collectives.py`` (caches cold from the other sizes), three fresh
-launches each: ``hvd.allreduce_`` of 1 MiB at 0.81-0.95x raw MPI's time ratio with it,
-0.57-0.79x without it.
+Why: at 2 ranks on one host, Open MPI's in-place ``Allreduce`` of 256 KiB to 1 MiB takes
+about 1.4 to 1.8 times as long as this data path; at 4 MiB the two are even, so bigger
+buffers stay with MPI (the measurements: ``benchmarks/README.md``, collectives).
 
 For rank ``r`` of ``n``, with one slot of the segment per rank::
 

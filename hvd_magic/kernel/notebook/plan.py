@@ -37,11 +37,10 @@ HEARTBEAT_MS = 100
 #: GIL nor the interpreter, so a rank that computes (even in C code holding the GIL) still
 #: answers, and only a stopped or frozen process, or an unreachable host, misses 30 in a row;
 #: the pool then ends the cell naming that rank (:func:`.liveness.unheard_text`).
-#: At 10 x 100 ms a 2-rank training cell on the loaded 2-core VM lost its pool while
-#: mpiexec and every rank were still up; in another run both ranks' answers arrived ~0.6 s
-#: late together, six beats missed in a row (controller.log, 2026-11-23). Dead ranks on
-#: one host are found from mpiexec's exit instead, and a lost host by prterun's keepalive
-#: after ~5 s (../shared/FACTS.md), so a 3 s limit costs no detection time.
+#: ipyparallel's 10 x 100 ms is too short on a loaded machine: both ranks' answers can
+#: arrive over half a second late together while mpiexec and every rank are up. Dead ranks
+#: on one host are found from mpiexec's exit instead, and a lost host by prterun's keepalive
+#: after about 5 s, so a 3 s limit costs no detection time.
 HEARTBEAT_MISSES = 30
 
 #: Cluster id in the connection files' names.
