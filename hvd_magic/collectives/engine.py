@@ -329,10 +329,13 @@ class Engine:
             cancels, join = (), False
         shut, self._shutdown_announce = self._shutdown_announce, False
         self._sent = anns = [r.ann for r in new]
-        # (tuple.__new__: the namedtuple constructor's argument handling costs ~0.3 us)
         tune, self._tune_out = self._tune_out, ()
         invalid, self._invalid = tuple(self._invalid), []
-        return new_tuple(RankMsg, (self.codec.encode(anns), cancels, join, shut, self._events(),
+        events = self._events()
+        if not (anns or cancels or join or shut or events or tune or invalid):
+            return QUIET            # (a steady-state cycle: bits alone, nothing to encode)
+        # (tuple.__new__: the namedtuple constructor's argument handling costs ~0.3 us)
+        return new_tuple(RankMsg, (self.codec.encode(anns), cancels, join, shut, events,
                                     tune, invalid))
 
     def _loop(self) -> None:
@@ -520,16 +523,15 @@ class Engine:
         """Start the cycle: the allreduce of the response cache's bits (the full messages,
         marshal-encoded plain tuples, follow only when some rank has more to say), or,
         without a response cache, the allgather of the full messages."""
-        data = marshal.dumps(tuple(msg))
         self._in_cycle_since = time.monotonic()
+        quiet = msg is QUIET
+        data = QUIET_DATA if quiet else marshal.dumps(tuple(msg))
         # (the key and lookup of the cycle cache are skipped unless this message can be kept)
-        cacheable = CycleCache.cacheable(msg)
+        cacheable = not quiet and CycleCache.cacheable(msg)
         if self.cache is None:
             self._px = (self.wire.post(data), data, cacheable, None)
             self.exchanges += 1
             return
-        quiet = not (msg.anns or msg.cancels or msg.join or msg.shutdown or msg.events
-                     or msg.tune or msg.invalid)
         vec = self.cache.vector(quiet, self._cached)
         if self._vec is None or len(self._vec) != len(vec):
             self._vec = np.empty_like(vec)
@@ -643,6 +645,11 @@ class Engine:
                     self.inflight.pop(r.ann.name)
             for r in local:
                 r.handle.resolve(error=sc.local_error(r, now, since))
+
+
+#: The message of a rank with nothing to say beyond its cached requests' bits.
+QUIET = RankMsg()
+QUIET_DATA = marshal.dumps(tuple(QUIET))
 
 
 class _Stop(Exception):
