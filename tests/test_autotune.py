@@ -1,4 +1,6 @@
 """Autotune: the search itself (pure, no MPI), then for real under mpiexec at 2 and 3 ranks."""
+import dataclasses
+
 import pytest
 
 from mpi_harness import mpirun
@@ -56,7 +58,7 @@ def test_a_sample_ends_when_a_tensor_comes_round_steps_per_sample_more_times():
 def test_with_both_knobs_set_every_rank_says_there_is_nothing_to_tune():
     from hvd_magic.collectives.autotune import for_engine
     from hvd_magic.collectives.config import Config
-    cfg = Config(autotune=True, autotune_fixed=("fusion", "cycle"))
+    cfg = dataclasses.replace(Config.from_env(), autotune=True, autotune_fixed=("fusion", "cycle"))
     for rank in (0, 1):
         tuner, status = for_engine(cfg, rank, 0)
         assert tuner is None and status["active"] is False

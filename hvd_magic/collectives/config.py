@@ -8,23 +8,24 @@ from .. import config as env
 
 @dataclass
 class Config:
-    """Runtime settings, from Horovod's environment variables."""
+    """Runtime settings, from Horovod's environment variables (:meth:`from_env`; their
+    defaults are declared once, in ``hvd_magic/config.py``)."""
 
-    cycle_time_s: float = 0.0
-    fusion_threshold: int = 64 * 1024 * 1024
-    allreduce_chunk: int = 1024 * 1024    # bytes per MPI call for big allreduces; 0: one call
-    cache_capacity: int = 1024            # announcements remembered per rank; 0: no caching
-    stall_check_s: float = 60.0          # 0 disables the warning
-    stall_shutdown_s: float = 0.0        # 0: never fail stalled requests
-    cpu_operations: str = "mpi"
-    timeline: str = ""
-    timeline_mark_cycles: bool = False
-    autotune: bool = False
-    autotune_log: str = ""
-    autotune_warmups: int = 3
-    autotune_steps_per_sample: int = 10
-    autotune_max_trials: int = 20
-    autotune_fixed: tuple = ()            # knobs set explicitly: "fusion", "cycle"
+    cycle_time_s: float
+    fusion_threshold: int
+    allreduce_chunk: int          # bytes per MPI call for big allreduces; 0: one call
+    cache_capacity: int           # requests remembered per rank; 0: no caching
+    stall_check_s: float          # 0 disables the warning
+    stall_shutdown_s: float       # 0: never fail stalled requests
+    cpu_operations: str
+    timeline: str
+    timeline_mark_cycles: bool
+    autotune: bool
+    autotune_log: str
+    autotune_warmups: int
+    autotune_steps_per_sample: int
+    autotune_max_trials: int
+    autotune_fixed: tuple         # knobs set explicitly: "fusion", "cycle"
 
     @classmethod
     def from_env(cls) -> "Config":

@@ -36,15 +36,13 @@ import torch
 
 import hvd_magic.collectives as C
 
-DEFAULT_BUCKET_BYTES = (1 << 20, 4 << 20)
 
 
 def bucket_caps(env: Optional[str] = None) -> tuple:
     """(first bucket bytes, other buckets bytes) from ``HVD_MAGIC_BUCKET_BYTES``; (0, 0) = off."""
     from .. import config
-    raw = (config.get("HVD_MAGIC_BUCKET_BYTES") if env is None else env).strip()
-    if not raw:
-        return DEFAULT_BUCKET_BYTES
+    raw = config.get("HVD_MAGIC_BUCKET_BYTES", None if env is None else
+                     {"HVD_MAGIC_BUCKET_BYTES": env}).strip()
     try:
         parts = [int(float(x)) for x in raw.split(",")]
     except ValueError:

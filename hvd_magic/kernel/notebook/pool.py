@@ -32,7 +32,6 @@ from .settle import settle
 from .procs import descendants, describe_exit, end_job_first, parse_rank_exits, pids_gone, \
     spawn, stop_tree, tail
 
-START_TIMEOUT = config.get("HVD_MAGIC_START_TIMEOUT")
 #: Message signatures the pool's client remembers (jupyter_client's default is 65,536).
 DIGEST_HISTORY = 4096
 #: Seconds to wait for the ranks to switch their telemetry on or off.
@@ -103,7 +102,7 @@ class Pool:
                                     os.path.join(workdir, "controller.log"))
             self.mpiexec = spawn(plan.engine_argv, plan.engine_env,
                                  os.path.join(workdir, "mpiexec.log"))
-            self.client = ipp.Client(plan.client_file, timeout=START_TIMEOUT)
+            self.client = ipp.Client(plan.client_file, timeout=config.get("HVD_MAGIC_START_TIMEOUT"))
             # The client's session remembers the signature of every message it received
             # (replay protection) up to 65,536 of them, ~10 a live cell: bound it lower.
             self.client.session.digest_history_size = DIGEST_HISTORY
@@ -121,7 +120,8 @@ class Pool:
 
     def _wait_for_engines(self, sink: Optional[OutputSink], t0: float) -> None:
         n, last, shown = self.config.np, 0, time.monotonic()
-        deadline = t0 + START_TIMEOUT
+        limit = config.get("HVD_MAGIC_START_TIMEOUT")
+        deadline = t0 + limit
         while True:
             count = len(self.client.ids)
             if count >= n:
@@ -135,7 +135,7 @@ class Pool:
                 hint = "" if self.plan is None or self.plan.single_host else (
                     "; check that every host is reachable by ssh without a password and "
                     "can reach this machine, e.g. hvdrun -np 2 -H HOSTS python -c 'print(1)'")
-                raise PoolError(f"only {count} of {n} ranks registered within {START_TIMEOUT:g} "
+                raise PoolError(f"only {count} of {n} ranks registered within {limit:g} "
                                 f"s (HVD_MAGIC_START_TIMEOUT){hint}")
             if sink is not None and (count != last or now - shown > 5.0):
                 sink.status(f"hvd: starting {n_ranks(n)} ... {count}/{n} ready "
@@ -150,7 +150,7 @@ class Pool:
         from ..ranks.calls import where
         ranks = list(range(self.config.np))
         for r, (host, pid) in zip(ranks, self.client[ranks].apply_async(where).get(
-                START_TIMEOUT)):
+                config.get("HVD_MAGIC_START_TIMEOUT"))):
             self.hosts[r], self.pids[r] = host, pid
 
     def _start_failure(self, exc: BaseException) -> str:

@@ -28,13 +28,12 @@ from typing import Any, Optional
 from ... import config
 from ...collectives.progress import first_report, progress, reset_progress
 
-MAX_SPANS = config.get("HVD_MAGIC_TELEMETRY_MAX_SPANS")   # per batch; 0: all
-INTERVAL = config.get("HVD_MAGIC_TELEMETRY_INTERVAL")
 
 
 class _Telemetry:
-    def __init__(self, interval: float = INTERVAL) -> None:
-        self.interval = interval
+    def __init__(self, interval: Optional[float] = None) -> None:
+        self.interval = config.get("HVD_MAGIC_TELEMETRY_INTERVAL") if interval is None else interval
+        self.max_spans = config.get("HVD_MAGIC_TELEMETRY_MAX_SPANS")   # per batch; 0: all
         self.lock = threading.Lock()
         self.events: Any = deque()
         self.running = False
@@ -150,7 +149,7 @@ class _Telemetry:
         if since is None:                    # not subscribed: no timeline in this batch
             spans, busy, cut, covered = [], 0.0, None, 0.0
         else:
-            spans, busy, cut = compact_tail(events, MAX_SPANS, since_us=since * 1e6)
+            spans, busy, cut = compact_tail(events, self.max_spans, since_us=since * 1e6)
             covered = max(now - since, 0.0)
             if self.window is not None:     # sampled: nothing is known before the window
                 cut = since * 1e6 if cut is None else max(cut, since * 1e6)
@@ -184,17 +183,18 @@ class _Telemetry:
 
     def _adapt(self, n_events: int, covered: float) -> None:
         """Sample the timeline when it is busy: a cell whose events would fill more than twice
-        the ``MAX_SPANS`` a batch carries subscribes only for the part of each interval that
-        fills them (at least 10 ms). Busy time (the communication share) is then measured
-        over those windows, the spans shown are the windows' (each marked as a cut), and the
-        runtime does its timeline bookkeeping a fraction of the time. Few events: the
+        the spans a batch carries (``HVD_MAGIC_TELEMETRY_MAX_SPANS``) subscribes only for the
+        part of each interval that fills them (at least 10 ms). Busy time (the communication
+        share) is then measured over those windows, the spans shown are the windows' (each
+        marked as a cut), and the runtime does its timeline bookkeeping a fraction of the
+        time. Few events: the
         subscription stays on the whole cell, every event counts."""
-        if MAX_SPANS <= 0 or covered < 0.005:
+        if self.max_spans <= 0 or covered < 0.005:
             return
         per_interval = n_events / covered * self.interval
-        if per_interval > 2 * MAX_SPANS:
-            self.window = min(max(self.interval * MAX_SPANS / per_interval, 0.01), self.interval)
-        elif self.window is not None and per_interval < MAX_SPANS:
+        if per_interval > 2 * self.max_spans:
+            self.window = min(max(self.interval * self.max_spans / per_interval, 0.01), self.interval)
+        elif self.window is not None and per_interval < self.max_spans:
             self.window = None
 
     def send(self, status: str, error: str = "") -> None:
@@ -216,13 +216,15 @@ def _publish(data: dict) -> None:
 _T: Optional[_Telemetry] = None
 
 
-def enable(interval: float = INTERVAL) -> str:
+def enable(interval: Optional[float] = None) -> str:
     """Turn the widgets' telemetry on for every following cell on this engine (idempotent)."""
     global _T
     from IPython import get_ipython
     ip = get_ipython()
     if ip is None:
         return "no IPython here"
+    if interval is None:
+        interval = config.get("HVD_MAGIC_TELEMETRY_INTERVAL")
     if _T is None:
         _T = _Telemetry(interval)
     if not _T.hooked:
