@@ -75,11 +75,22 @@ def ip():
     assert not wait_no_pool_processes(5.0)
 
 
+ENGINE = "hvd_magic.kernel.ranks.engine"
+
+
+def command(p):
+    """``p``'s command line; empty when it has just exited (a rank that left the pool)."""
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return []
+
+
 def engines(want, timeout=5.0):
     """The pool's engine processes, once there are ``want`` of them (or the timeout)."""
     deadline = time.monotonic() + timeout
     while True:
-        found = [p for p in pool_processes() if p.cmdline()[1:3] == ["-m", "hvd_magic.kernel.ranks.engine"]]
+        found = [p for p in pool_processes() if command(p)[1:3] == ["-m", ENGINE]]
         if len(found) == want or time.monotonic() > deadline:
             return found
         time.sleep(0.1)

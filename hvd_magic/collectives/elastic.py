@@ -579,13 +579,13 @@ def _after_loss(state: State, reset: Callable, t0: float,
         if n < max(env.get("HVD_MAGIC_ELASTIC_MIN_NP"), 1):
             raise failure
         traceback.print_exception(type(failure), failure, failure.__traceback__)
-        text = f"failed ({failure_text(failure)}) and left the job"
-        sys.stderr.write(f"[hvd_magic] elastic: rank {runtime.rank} {text}; {n} rank(s) go on "
-                         "without it\n")
+        text = f"failed ({failure_text(failure)})"
+        sys.stderr.write(f"[hvd_magic] elastic: rank {runtime.rank} {text} and leaves the job; "
+                         f"{n} rank(s) go on without it\n")
         sys.stderr.flush()
         for hook in _leave_hooks:
             hook()
-        raise FailedRankExit(text)
+        raise FailedRankExit(f"{text} and left the job")
     change = _note_change(t0, lost + sorted(failed), 0, 0, state._hvd_commits)
     change["failed"] = dict(failed)
     if runtime.rank == 0:
