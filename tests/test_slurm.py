@@ -299,6 +299,7 @@ def test_the_idle_timeout_releases_the_job(cluster):
     live = [f"{res['job']} RUNNING"]
     assert res["squeue_live"] == live and res["squeue_after_cell"] == live
     assert res["squeue_idle"] == [] and res["pool_gone"]
+    assert res["idle_after_s"] >= 2.0          # not before the timeout
 
 
 PROFILE = """\

@@ -138,9 +138,14 @@ def idle():
     res["squeue_live"] = squeue()
     time.sleep(1.5)
     shell.run_cell_magic("hvd", "", "2")          # a cell: the idle clock starts again
+    t_cell = time.monotonic()
     res["squeue_after_cell"] = squeue()
-    time.sleep(4.5)
+    # the release (pool stop, scancel, then COMPLETING for a second or more under load)
+    # takes its time after the 2 s: wait for squeue to empty, up to 20 s
+    while squeue() and time.monotonic() - t_cell < 20:
+        time.sleep(0.25)
     res["squeue_idle"] = squeue()
+    res["idle_after_s"] = time.monotonic() - t_cell
     res["pool_gone"] = mg.manager.pool is None and mg.manager.slurm.allocation is None
 
 
