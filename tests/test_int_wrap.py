@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -40,3 +41,28 @@ def test_mpis_own_reductions_are_kept_where_they_are_right():
     proc = mpirun("coll_int8.py", 2, "mpi", env={"OMPI_MCA_op": "^avx"}, timeout=600)
     assert proc.stdout.count("coll_int8 OK") == 2, proc.stdout + proc.stderr
     assert LISTED + "[]" in proc.stdout, proc.stdout
+
+
+SUM8 = ("import numpy as np, hvd_magic.collectives as hvd\n"
+        "hvd.init()\n"
+        "u = hvd.allreduce(np.full(64, 229, np.uint8), op=hvd.Sum)\n"
+        "i = hvd.allreduce(np.full(64, 100, np.int8), op=hvd.Sum)\n"
+        "print('sums', int(u.min()), int(u.max()), int(i.min()), int(i.max()))\n")
+
+
+def test_hvdrun_and_the_pool_sum_8_bit_integers_as_numpy():
+    """The launchers users meet: hvdrun's ranks and a %%hvd pool's get 229 + 229 = 202 and
+    100 + 100 = -56 (wrapping), as numpy does."""
+    hvdrun = str(Path(sys.executable).with_name("hvdrun"))
+    proc = run_job([hvdrun, "-np", "2", sys.executable, "-c", SUM8], mpi_env(), 120,
+                   "hvdrun 8-bit sums")
+    assert proc.returncode == 0 and proc.stdout.count("sums 202 202 -56 -56") == 2, \
+        proc.stdout + proc.stderr
+    from hvd_magic.kernel import PoolManager, TextSink
+    manager = PoolManager()
+    try:
+        pool = manager.ensure(2, None, None, TextSink())
+        out = pool.run_cell(SUM8.replace("print(", "(").replace("'sums', ", ""), TextSink())
+        assert [out.results[r]["text/plain"] for r in (0, 1)] == ["(202, 202, -56, -56)"] * 2
+    finally:
+        manager.stop()
