@@ -29,8 +29,8 @@ from hvd_magic.collectives import Adasum, Average, ProcessSet, Sum, global_proce
 from hvd_magic.collectives.ops import to_op
 from hvd_magic.tensorflow._compat import import_keras, import_tf, is_keras3_object
 from hvd_magic.tensorflow.compression import Compression, Compressor
-from hvd_magic.tensorflow.gradient_aggregation import (LocalGradientAggregationHelper, var_key,
-                                                       reduce_with_locals)
+from hvd_magic.tensorflow.gradient_aggregation import (LocalGradientAggregationHelper,
+                                                       ReducesGradients)
 from hvd_magic.tensorflow.gradient_tape import GradientReducer
 
 tf = import_tf()
@@ -68,7 +68,7 @@ class _CallableList(list):
         return self
 
 
-class _DistributedOptimizer:
+class _DistributedOptimizer(ReducesGradients):
     """Mixin placed before the wrapped optimizer's class in a dynamic subclass."""
 
     _HAS_AGGREGATE_GRAD = True
@@ -82,7 +82,7 @@ class _DistributedOptimizer:
     def from_config(cls, config: dict, custom_objects: Any = None) -> Any:
         """A new DistributedOptimizer of the same settings around the wrapped class built from
         ``config``."""
-        base = cls.__mro__[2]
+        base = cls.__bases__[1]          # (the dynamic class is (_DistributedOptimizer, base))
         return DistributedOptimizer(base.from_config(config, custom_objects=custom_objects),
                                     **cls._hvd_settings)
 
@@ -93,23 +93,11 @@ class _DistributedOptimizer:
             found = found()
         return _CallableList(found)
 
-    def register_local_var(self, var: Any) -> None:
-        """Keep the gradient of ``var`` (a variable local to this rank) out of the reduction;
-        with ``scale_local_gradients`` it is divided by the number of ranks, as Horovod does."""
-        if self._agg_helper is not None:
-            self._agg_helper.register_local_var(var)
-        else:
-            self._local_vars.add(var_key(var))
-
     def _allreduce(self, grads: Any, vars: Any) -> list:
         """Reduced gradients (with aggregation: the local sums, or their reduction every k-th
         pass)."""
         self._aggregated_gradients = True
-        grads, vars = list(grads), list(vars)
-        if self._agg_helper is not None:
-            return self._agg_helper.compute_gradients(grads, vars)
-        return reduce_with_locals(self._hvd_reducer.reduce, grads, vars, self._local_vars,
-                                  self.scale_local_gradients, self._hvd_reducer.size_when_run)
+        return self._hvd_reduce_gradients(list(grads), list(vars))
 
     def compute_gradients(self, loss: Any, var_list: Any, tape: Any = None) -> list:
         """``[(reduced gradient, variable), ...]`` of ``loss`` (a tensor recorded on ``tape``,

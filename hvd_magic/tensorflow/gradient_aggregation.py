@@ -16,7 +16,7 @@ Example, 2 ranks, k = 2, gradient 1.0 on rank 0 and 3.0 on rank 1 at every pass:
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from hvd_magic.collectives import ProcessSet, global_process_set
 
@@ -49,6 +49,34 @@ def reduce_with_locals(allreduce_func: Callable, grads: Sequence[Any], variables
             if var_key(v) in local_keys and g is not None:
                 out[i] = divide_gradient(g, n)
     return out
+
+
+class ReducesGradients:
+    """What the TF1 and the Keras ``DistributedOptimizer`` share: gradients of variables
+    local to this rank kept out of the reduction, and the reduction itself, aggregated over
+    ``backward_passes_per_step`` or not. The optimizer sets ``_agg_helper`` (None without
+    aggregation), ``_local_vars``, ``_hvd_reducer`` and ``scale_local_gradients``."""
+
+    _agg_helper: Optional["LocalGradientAggregationHelper"]
+    _local_vars: set
+    _hvd_reducer: Any
+    scale_local_gradients: bool
+
+    def register_local_var(self, var: Any) -> None:
+        """Keep the gradient of ``var`` (a variable local to this rank) out of the reduction;
+        with ``scale_local_gradients`` it is divided by the number of ranks, as Horovod does."""
+        if self._agg_helper is not None:
+            self._agg_helper.register_local_var(var)
+        else:
+            self._local_vars.add(var_key(var))
+
+    def _hvd_reduce_gradients(self, grads: list, variables: list) -> list:
+        """Reduced gradients (with aggregation: the local sums, or their reduction every k-th
+        pass)."""
+        if self._agg_helper is not None:
+            return self._agg_helper.compute_gradients(grads, variables)
+        return reduce_with_locals(self._hvd_reducer.reduce, grads, variables, self._local_vars,
+                                  self.scale_local_gradients, self._hvd_reducer.size_when_run)
 
 
 class LocalGradientAggregationHelper:

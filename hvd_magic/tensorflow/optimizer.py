@@ -22,14 +22,14 @@ from hvd_magic.collectives.ops import to_op
 
 from ._compat import import_tf
 from .compression import Compression, Compressor
-from .gradient_aggregation import LocalGradientAggregationHelper, reduce_with_locals, var_key
+from .gradient_aggregation import LocalGradientAggregationHelper, ReducesGradients, var_key
 from .gradient_tape import GradientReducer
 
 tf = import_tf()
 _LegacyOptimizer = tf.compat.v1.train.Optimizer
 
 
-class _DistributedOptimizer(_LegacyOptimizer):
+class _DistributedOptimizer(ReducesGradients, _LegacyOptimizer):
     """Wraps a ``tf.compat.v1.train.Optimizer``: its gradients are reduced over the ranks
     before they are applied (Horovod's class of the same name)."""
 
@@ -62,26 +62,12 @@ class _DistributedOptimizer(_LegacyOptimizer):
                 optimizer_type=LocalGradientAggregationHelper._OPTIMIZER_TYPE_LEGACY,
                 process_set=process_set, scale_local_gradients=scale_local_gradients)
 
-    def register_local_var(self, var: Any) -> None:
-        """Keep the gradient of ``var`` (a variable local to this rank) out of the reduction;
-        with ``scale_local_gradients`` it is divided by the number of ranks, as Horovod does."""
-        if self._agg_helper is not None:
-            self._agg_helper.register_local_var(var)
-        else:
-            self._local_vars.add(var_key(var))
-
     def compute_gradients(self, *args: Any, **kwargs: Any) -> list:
         """The wrapped optimizer's ``compute_gradients``, each gradient reduced over the ranks
         (with ``backward_passes_per_step=k``: summed locally, reduced on every k-th pass)."""
         pairs = self._optimizer.compute_gradients(*args, **kwargs)
         grads, variables = [g for g, _ in pairs], [v for _, v in pairs]
-        if self._agg_helper is not None:
-            reduced = self._agg_helper.compute_gradients(grads, variables)
-        else:
-            reduced = reduce_with_locals(self._hvd_reducer.reduce, grads, variables,
-                                         self._local_vars, self.scale_local_gradients,
-                                         self._hvd_reducer.size_when_run)
-        return list(zip(reduced, variables))
+        return list(zip(self._hvd_reduce_gradients(grads, variables), variables))
 
     def apply_gradients(self, grads_and_vars: Any, global_step: Any = None,
                         name: Optional[str] = None) -> Any:
