@@ -16,6 +16,9 @@ from typing import Any, Mapping, Optional, Tuple
 #: ranks that elastic training spawns get them from rank 0 (a remote host starts bare).
 PREFIXES = ("HOROVOD_", "HVD_MAGIC_")
 
+#: With HVD_MAGIC_EXIT_REPORT, each rank's last line on stderr: ``EXIT_MARK rank=R size=S ok=1``.
+EXIT_MARK = "[hvd_magic exit]"
+
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("0", "false", "no", "off")
 
@@ -99,6 +102,9 @@ _VARS = [
         "executable printing one 'host' or 'host:slots' line per available host; rank 0 runs "
         "it at commits (at most once a second) and the job grows or shrinks to the slots "
         "(hvdrun --host-discovery-script sets it)"),
+    Var("HVD_MAGIC_EXIT_REPORT", "bool", False,
+        "each rank tells hvdrun on stderr how it ended (hvdrun sets it for elastic jobs, "
+        "whose launcher may crash in its teardown after every rank finished)", internal=True),
     Var("HVD_MAGIC_INLINE", "bool", True,
         "0: a waiting caller never runs the negotiation cycle itself; the background thread "
         "does all communication"),

@@ -357,3 +357,33 @@ def test_a_reset_past_the_reset_limit_ends_the_job_saying_so():
     assert "lost rank(s) 2; continuing on 2 rank(s)" in out, out     # the one reset allowed
     assert proc.returncode != 0 and "elastic OK" not in out, out
     assert "the job has been reset 1 time(s), the most hvdrun --reset-limit 1 allows" in out, out
+
+
+def test_a_job_whose_launcher_dies_after_every_rank_finished_succeeds_and_says_so():
+    # Open MPI's launcher can crash tearing down a job that grew onto an added host
+    # (test_multihost's growth test met it once in CI): the ranks, not the launcher, decide
+    script = str(HERE / "mpi" / "elastic_launcher_dies.py")
+    proc = run_job([HVDRUN, "-np", "2", "--min-np", "1", sys.executable, script], mpi_env(),
+                   120, "hvdrun")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and proc.stdout.count("SUM 2.0") == 2, out
+    assert "mpiexec was ended by signal 9 after all 2 rank(s) had finished; the job " \
+           "succeeded" in proc.stderr, out
+    assert "[hvd_magic exit]" not in out, out       # hvdrun's own bookkeeping, not shown
+    failed = run_job([HVDRUN, "-np", "2", "--min-np", "1", sys.executable, script, "raise"],
+                     mpi_env(), 120, "hvdrun")
+    assert failed.returncode != 0 and "this rank's training failed" in failed.stderr, \
+        failed.stdout + failed.stderr
+
+
+def test_the_ranks_exit_lines_decide_only_when_the_launcher_was_killed():
+    from hvd_magic.runner.plan import elastic_exit
+    done = ["[hvd_magic exit] rank=1 size=2 ok=1", "[hvd_magic exit] rank=0 size=2 ok=1"]
+    assert elastic_exit(134, done)[0] == 0
+    assert elastic_exit(1, done) == (1, None)            # the launcher's own verdict stands
+    assert elastic_exit(0, []) == (0, None)
+    assert elastic_exit(134, done[:1]) == (134, None)   # rank 0 did not report
+    assert elastic_exit(134, done[:1] + ["[hvd_magic exit] rank=0 size=2 ok=0"])[0] == 134
+    # a rank that left when the job shrank reported the size it had then
+    shrunk = ["[hvd_magic exit] rank=2 size=3 ok=1"] + done
+    assert elastic_exit(134, shrunk)[0] == 0

@@ -181,6 +181,12 @@ def _at_exit() -> None:
             shutdown(timeout=env.get("HVD_MAGIC_EXIT_TIMEOUT"))
         except Exception:
             pass
+    if env.get("HVD_MAGIC_EXIT_REPORT") and runtime.world is not None:
+        # read by hvdrun (runner/launch.py); the interpreter sets sys.last_value when the
+        # script ended with an uncaught exception
+        ok = 0 if getattr(sys, "last_value", None) is not None else 1
+        sys.stderr.write(f"{env.EXIT_MARK} rank={runtime.rank} size={runtime.size} ok={ok}\n")
+        sys.stderr.flush()
 
 
 atexit.register(_at_exit)

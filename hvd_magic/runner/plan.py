@@ -168,6 +168,7 @@ def horovod_env(args: LaunchArgs) -> Dict[str, str]:
         env["HOROVOD_CACHE_CAPACITY"] = str(args.cache_capacity)
     if args.min_np is not None:
         env["HVD_MAGIC_ELASTIC_MIN_NP"] = str(args.min_np)
+        env["HVD_MAGIC_EXIT_REPORT"] = "1"
     if args.max_np is not None:
         env["HVD_MAGIC_ELASTIC_MAX_NP"] = str(args.max_np)
     if args.reset_limit is not None:
@@ -380,3 +381,29 @@ def describe(argv: Sequence[str], env: Mapping[str, str], base_env: Mapping[str,
     import shlex
     changed = [f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()) if base_env.get(k) != v]
     return " ".join(changed + [shlex.quote(a) for a in argv])
+
+
+def elastic_exit(launcher_rc: int, reports: Sequence[str]) -> Tuple[int, Optional[str]]:
+    """An elastic job's exit code, and a note for the user or None.
+
+    ``reports`` are the ranks' ``config.EXIT_MARK`` lines (``rank=R size=S ok=1``). Open
+    MPI's launcher can die of a signal in its own teardown after a spawn onto an added host,
+    when every rank has finished; then the ranks decide: 0 when ranks 0..S-1 of the job's
+    final size S (rank 0's) all ended without an uncaught exception. Otherwise the
+    launcher's code stands."""
+    if launcher_rc <= 128 or not reports:
+        return launcher_rc, None
+    seen: Dict[int, Tuple[int, bool]] = {}
+    for line in reports:
+        text = line.split(config.EXIT_MARK, 1)[-1]
+        fields = dict(f.split("=", 1) for f in text.split() if "=" in f)
+        try:
+            seen[int(fields["rank"])] = (int(fields["size"]), fields["ok"] == "1")
+        except (KeyError, ValueError):
+            continue
+    size = seen.get(0, (0, False))[0]
+    if size < 1 or any(seen.get(r) != (size, True) for r in range(size)):
+        return launcher_rc, None
+    return 0, (f"hvdrun: mpiexec was ended by signal {launcher_rc - 128} after all {size} "
+               "rank(s) had finished; the job succeeded (Open MPI's launcher can crash while "
+               "tearing down a job that grew onto added hosts)")
