@@ -1,11 +1,10 @@
 """The docs keep up with the code (fast: no MPI, no pool, nothing started).
 
-1. Every option the magics' argument parsers accept appears in docs/magics.md. The options
-   are read from the parsers themselves: ``hvd_magic.magics.args`` builds its argparse
-   parsers inside the parse functions, so ``parse_cell_args`` and ``parse_line_args`` (once
-   per command of ``args.SUBCOMMANDS``) run while ``_Parser.parse_args`` records each
-   parser's option strings. ``%%hvd scale`` (parsed by hand in magics.py: ``--np`` only)
-   and ``%autohvd`` (``%%hvd``'s options, or ``off``) are checked by name.
+1. Every option is declared once, in hvd_magic/runner/options.py; the option tables of
+   docs/*.md (between ``<!-- options: COMMAND, ... -->`` and ``<!-- end of options -->``)
+   are made from it and must equal what it makes now (``python -m hvd_magic.runner.options
+   docs/*.md`` rewrites them), every command that takes options has a table, and
+   docs/magics.md names every ``%hvd`` command and shows ``%%hvd``'s usage line.
 2. Every environment variable declared in hvd_magic/config.py appears in
    docs/environment.md, and every ``HOROVOD_*``/``HVD_MAGIC_*`` name that README.md or a page
    of docs/ mentions is declared there (no documented variable that the code does not read).
@@ -28,6 +27,7 @@ import pytest
 
 from hvd_magic import config
 from hvd_magic.magics import args
+from hvd_magic.runner import options
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -40,46 +40,33 @@ def _read(path: Path) -> str:
 
 # ---------------------------------------------------------------- 1. magics options
 
-def _recorded_options(monkeypatch) -> dict:
-    """{where: set of option strings} as the parsers of hvd_magic.magics.args define them."""
-    seen: dict = {}
-    where = ["%%hvd"]
-    real = args._Parser.parse_args
-
-    def spy(self, argv=None, namespace=None):
-        opts = seen.setdefault(where[0], set())
-        for action in self._actions:
-            opts.update(action.option_strings)
-        return real(self, argv, namespace)
-
-    monkeypatch.setattr(args._Parser, "parse_args", spy)
-    monkeypatch.setattr(args, "_CELL_CACHE", {})   # so that the %%hvd parser is built
-    args.parse_cell_args("")                  # %%hvd (and %autohvd, which takes its options)
-    for command in args.SUBCOMMANDS:
-        where[0] = f"%hvd {command}"
-        try:
-            args.parse_line_args(command)
-        except args.HvdUsageError:
-            pass                              # push/pull need names; the parser ran first
-    return seen
+def test_the_option_tables_are_made_from_the_declaration():
+    pages = {p.name: _read(p) for p in sorted(DOCS.glob("*.md"))}
+    stale = [name for name, text in pages.items() if options.with_tables(text) != text]
+    assert not stale, (f"the option tables of {stale} differ from hvd_magic/runner/options.py; "
+                       "run: python -m hvd_magic.runner.options docs/*.md")
+    tabled = {c.strip() for text in pages.values()
+              for m in options.MARKED.finditer(text) for c in m.group(2).split(",")}
+    commands = {c for o in options.OPTIONS for c in o.commands}
+    assert commands <= tabled, f"give these commands an option table: {commands - tabled}"
 
 
-def _mentions(text: str, option: str) -> bool:
-    return re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", text) is not None
-
-
-def test_every_magic_option_is_documented(monkeypatch):
+def test_magics_md_names_every_command_and_the_usage():
     page = _read(DOCS / "magics.md")
-    options = _recorded_options(monkeypatch)
-    assert "-np" in options["%%hvd"] and "--no-stream" in options["%%hvd"], options
-    assert set(options) == {"%%hvd"} | {f"%hvd {c}" for c in args.SUBCOMMANDS}, options
-    missing = sorted({(where, o) for where, opts in options.items() for o in opts
-                      if not _mentions(page, o)})
-    assert not missing, f"document these options in docs/magics.md: {missing}"
     commands = [c for c in args.SUBCOMMANDS if f"%hvd {c}" not in page]
     assert not commands, f"document these %hvd commands in docs/magics.md: {commands}"
     for magic in ("%autohvd", "%autohvd off", "%%hvd scale", "%hvd scale"):
         assert magic in page, magic
+    assert f"usage: {args.CELL_USAGE}\n" in page
+
+
+def test_a_new_option_without_its_table_fails(monkeypatch):
+    """What the first test catches: an option added to the declaration changes the table."""
+    page = _read(DOCS / "magics.md")
+    extra = options.Option(("--stacks",), "stacks", "show the ranks' stacks", (options.CELL,),
+                           action="store_true")
+    monkeypatch.setattr(options, "OPTIONS", options.OPTIONS + (extra,))
+    assert options.with_tables(page) != page and "`--stacks`" in options.with_tables(page)
 
 
 # ---------------------------------------------------------------- 2. environment variables

@@ -115,6 +115,20 @@ def test_doctor_line_args():
             parse_line_args(bad)
 
 
+def test_doctor_command_line_refuses_slurm_options_without_slurm(capsys):
+    """python -m hvd_magic.runner.doctor_run takes hvdrun's pool options from the same
+    declaration, and its checks: --partition without --slurm is a usage error (exit 2),
+    before any probe starts."""
+    from hvd_magic.runner import doctor_run
+    for argv, words in ((["--partition", "gpu"], "--partition go with --slurm"),
+                        (["-np", "0"], "need at least 1 rank"),
+                        (["-H", "a:1", "--slurm"], "not allowed with")):
+        with pytest.raises(SystemExit) as info:
+            doctor_run.main(argv)
+        assert info.value.code == 2
+        assert words in capsys.readouterr().err, argv
+
+
 # ---------------------------------------------------------------- the probe on real ranks
 
 @pytest.mark.parametrize("np", [2, 3])

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from hvd_magic.magics.args import HvdUsageError, parse_cell_args, parse_line_args
+from hvd_magic.magics.args import HvdUsageError, parse_cell_args, parse_line_args, \
+    parse_scale_args
 
 psutil = pytest.importorskip("psutil")
 from test_pool import pool_processes, wait_no_pool_processes  # noqa: E402
@@ -46,6 +47,31 @@ def test_line_args():
     assert parse_line_args("push a b --ranks 1").names == ["a", "b"]
     assert parse_line_args("pull a --rank 1").rank == 1
     assert parse_line_args("restart -np 3").pool.np == 3
+
+
+def test_a_subcommands_usage_error_shows_its_own_options():
+    """The usage lines come from the option declaration: %hvd start lists every pool option
+    it takes (--slurm and --profile too), not a hand-written subset."""
+    with pytest.raises(HvdUsageError) as info:
+        parse_line_args("start --bogus")
+    text = str(info.value)
+    assert text.startswith("unrecognized arguments: --bogus\nusage: %hvd start [-np N] "
+                           "[-H HOST:SLOTS,... | --hostfile FILE | --slurm [--partition P]")
+    assert "--profile NAME] [--oversubscribe] [--min-np N]" in text
+    assert "--ranks" not in text.splitlines()[1]       # %%hvd's, not start's
+
+
+def test_scale_args_parse_with_the_others():
+    assert parse_scale_args("scale --np 1,2,4") == "1,2,4"
+    assert parse_scale_args("scale --np=1,2") == "1,2"
+    assert parse_scale_args("scale -np 2") == "2"
+    for line, words in (("scale", "usage: %%hvd scale --np 1,2,4 (then the cell)"),
+                        ("scale --np", "argument --np/-np: expected one argument"),
+                        ("scale --np 1 --no-stream", "takes only --np (got '--no-stream')"),
+                        ("scale --np 1 2", "takes only --np (got '2')")):
+        with pytest.raises(HvdUsageError) as info:
+            parse_scale_args(line)
+        assert words in str(info.value), (line, str(info.value))
 
 
 # ---------------------------------------------------------------- through IPython

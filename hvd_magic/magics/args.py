@@ -8,20 +8,23 @@ from __future__ import annotations
 import argparse
 import shlex
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
-from ..runner.plan import Host, parse_hosts
+from ..runner.options import CELL, DOCTOR, SCALE, SLURM_OPTIONS, START, \
+    SUBCOMMANDS as COMMANDS, Command, add_options, convert, given_without, options_of, \
+    usage_words
+from ..runner.plan import Host
 
-CELL_USAGE = ("%%hvd [-np N] [-H host1:4,host2:4 | --hostfile FILE | --slurm [--partition P] "
-              "[--time T] [--nodes N] [--gpus-per-node G] | --profile NAME] [--oversubscribe] "
-              "[--min-np N] [--ranks 0,2 | --rank 0] "
-              "[--timeout SECONDS] [--no-stream] [--out NAME]")
-LINE_USAGE = ("%hvd status | stop | restart | push NAME... [--ranks 0,2] | "
-              "pull NAME [--rank R] | start [-np N] [-H HOSTS | --hostfile F] | export PATH | "
-              "doctor [-np N] [-H HOSTS | --hostfile F] [--model-bytes B | --model NAME] "
-              "[--step-time S] [--network-interface IF] | profiles | resize N")
-SUBCOMMANDS = ("status", "stop", "restart", "push", "pull", "start", "export", "doctor",
-               "profiles", "resize")
+CELL_USAGE = f"{CELL} {usage_words(CELL)}"
+
+
+def _line_usage(command: Command) -> str:
+    return " ".join(w for w in (command.name, command.words,
+                                usage_words(f"%hvd {command.name}")) if w)
+
+
+LINE_USAGE = "%hvd " + " | ".join(_line_usage(c) for c in COMMANDS)
+SUBCOMMANDS = tuple(c.name for c in COMMANDS)
 
 
 class HvdUsageError(ValueError):
@@ -68,91 +71,38 @@ class _Parser(argparse.ArgumentParser):
         raise HvdUsageError(f"{message}\nusage: {self.usage}")
 
 
-def _np(text: str) -> int:
-    if not text.strip().isdigit():
-        raise HvdUsageError(f"-np {text!r}: give a whole number of ranks >= 1, e.g. -np 2")
-    value = int(text)
-    if value < 1:
-        raise HvdUsageError(f"-np {value}: a pool needs at least 1 rank, e.g. -np 2")
-    return value
-
-
-def _rank_list(text: str, flag: str) -> List[int]:
-    items = [t.strip() for t in text.split(",")]
-    if not items or not all(t.isdigit() for t in items):
-        raise HvdUsageError(f"{flag} {text!r}: give rank numbers separated by commas, "
-                            "e.g. --ranks 0,2")
-    ranks = [int(t) for t in items]
-    if len(set(ranks)) != len(ranks):
-        raise HvdUsageError(f"{flag} {text!r}: a rank is listed twice")
-    return ranks
-
-
-def _timeout(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise HvdUsageError(f"--timeout {text!r}: give seconds > 0, e.g. --timeout 60")
-    return value
-
-
-def _pool_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-np", "--np", dest="np", default=None)
-    hosts = p.add_mutually_exclusive_group()
-    hosts.add_argument("-H", "--hosts", dest="hosts", default=None)
-    hosts.add_argument("--hostfile", dest="hostfile", default=None)
-    hosts.add_argument("--slurm", action="store_true", default=False)
-    hosts.add_argument("--profile", dest="profile", default=None)
-    p.add_argument("--partition", default=None)
-    p.add_argument("--time", default=None)
-    p.add_argument("--nodes", default=None)
-    p.add_argument("--gpus-per-node", dest="gpus_per_node", default=None)
-    p.add_argument("--oversubscribe", action="store_true", default=False)
-    p.add_argument("--min-np", dest="min_np", default=None)
-
-
-def _pool_fields(ns: argparse.Namespace, req: CellRequest) -> None:
-    req.oversubscribe = ns.oversubscribe
-    if ns.min_np is not None:
-        req.min_np = _np(ns.min_np)
-    if ns.np is not None:
-        req.np = _np(ns.np)
-    if ns.hosts is not None:
-        try:
-            req.hosts = parse_hosts(ns.hosts)
-        except ValueError as exc:
-            raise HvdUsageError(str(exc)) from None
-    if ns.hostfile is not None:
-        if not ns.hostfile.strip():
-            raise HvdUsageError("--hostfile needs a file name, e.g. --hostfile hosts.txt")
-        req.hostfile = ns.hostfile
-    _slurm_fields(ns, req)
-
-
-def _slurm_fields(ns: argparse.Namespace, req: CellRequest) -> None:
-    """--slurm and its options (checked as salloc would), --profile's name."""
-    opts = {k: getattr(ns, k) for k in ("partition", "time", "nodes", "gpus_per_node")}
-    given = [f"--{k.replace('_', '-')}" for k, v in opts.items() if v is not None]
-    if given and not ns.slurm:
+def _parse(command: str, words: List[str], usage: str, names: bool = False,
+           known: bool = False) -> Tuple[Dict[str, Any], List[str]]:
+    """``command``'s options (declared in :mod:`hvd_magic.runner.options`) parsed from
+    ``words`` and checked: ``({dest: value}, rest)``; ``names``: the words besides options go
+    to ``"names"``; ``known``: words it does not know come back in ``rest``."""
+    p = _Parser(usage)
+    add_options(p, command, typed=False)
+    if names:
+        p.add_argument("names", nargs="*")
+    ns, rest = p.parse_known_args(words) if known else (p.parse_args(words), [])
+    given = given_without(ns, command)
+    if given:
         raise HvdUsageError(f"{' '.join(given)} go with --slurm, e.g. %%hvd -np 8 --slurm "
                             "--partition gpu --time 1:00:00")
-    if ns.profile is not None:
-        if not ns.profile.strip() or "/" in ns.profile:
-            raise HvdUsageError(f"--profile {ns.profile!r}: give a profile's name (%hvd "
-                                "profiles lists them), e.g. --profile mycluster")
-        req.profile = ns.profile
-    if not ns.slurm:
+    try:
+        values = convert(ns, command)
+    except ValueError as exc:
+        raise HvdUsageError(str(exc)) from None
+    if names:
+        values["names"] = list(ns.names)
+    return values, rest
+
+
+def _pool_fields(values: Dict[str, Any], req: CellRequest) -> None:
+    """The pool's options (-np, hosts, --slurm, --profile, ...) into ``req``."""
+    req.oversubscribe = values["oversubscribe"]
+    req.min_np, req.np, req.hosts = values["min_np"], values["np"], values["hosts"]
+    req.hostfile, req.profile = values["hostfile"], values["profile"]
+    if not values["slurm"]:
         return
     from ..runner.slurm import SlurmRequest, check_request
-    for key in ("nodes", "gpus_per_node"):
-        if opts[key] is not None:
-            flag = f"--{key.replace('_', '-')}"
-            if not opts[key].isdigit() or int(opts[key]) < 1:
-                raise HvdUsageError(f"{flag} {opts[key]!r}: give a whole number >= 1, "
-                                    f"e.g. {flag} 2")
-            opts[key] = int(opts[key])
+    opts = {k: values[k] for k in SLURM_OPTIONS}
     try:
         check_request(SlurmRequest(**{k: v for k, v in opts.items() if v is not None}),
                       req.np)
@@ -190,29 +140,10 @@ _CELL_CACHE: "dict[str, CellRequest]" = {}
 
 
 def _parse_cell_args(line: str) -> CellRequest:
-    p = _Parser(CELL_USAGE)
-    _pool_options(p)
-    which = p.add_mutually_exclusive_group()
-    which.add_argument("--ranks", default=None)
-    which.add_argument("--rank", default=None)
-    p.add_argument("--timeout", default=None)
-    p.add_argument("--no-stream", dest="stream", action="store_false", default=True)
-    p.add_argument("--out", default=None)
-    ns = p.parse_args(_split(line, CELL_USAGE))
-    req = CellRequest(stream=ns.stream)
-    _pool_fields(ns, req)
-    if ns.ranks is not None:
-        req.ranks = _rank_list(ns.ranks, "--ranks")
-    if ns.rank is not None:
-        req.ranks = _rank_list(ns.rank, "--rank")
-        if len(req.ranks) != 1:
-            raise HvdUsageError(f"--rank {ns.rank!r}: one rank; use --ranks for several")
-    if ns.timeout is not None:
-        req.timeout = _timeout(ns.timeout)
-    if ns.out is not None:
-        if not ns.out.isidentifier():
-            raise HvdUsageError(f"--out {ns.out!r}: give a Python variable name, e.g. --out res")
-        req.out = ns.out
+    values, _ = _parse(CELL, _split(line, CELL_USAGE), CELL_USAGE)
+    req = CellRequest(stream=values["stream"], timeout=values["timeout"], out=values["out"])
+    _pool_fields(values, req)
+    req.ranks = values["ranks"] if values["rank"] is None else [values["rank"]]
     check_ranks(req)
     return req
 
@@ -226,32 +157,8 @@ def check_ranks(req: CellRequest, size: Optional[int] = None) -> None:
             raise HvdUsageError(f"rank(s) {bad} do not exist in a pool of {n} ranks (0..{n - 1})")
 
 
-def _doctor_options(p: argparse.ArgumentParser) -> None:
-    model = p.add_mutually_exclusive_group()
-    model.add_argument("--model-bytes", dest="model_bytes", default=None)
-    model.add_argument("--model", dest="model", default=None)
-    p.add_argument("--step-time", dest="step_time", default=None)
-    p.add_argument("--network-interface", dest="network_interface", default=None)
-
-
-def _doctor_fields(ns: argparse.Namespace) -> dict:
-    out: dict = {"model": ns.model, "network_interface": ns.network_interface}
-    if ns.model is not None and not ns.model.isidentifier():
-        raise HvdUsageError(f"--model {ns.model!r}: give the name of a torch model variable")
-    for key, flag in (("model_bytes", "--model-bytes"), ("step_time", "--step-time")):
-        text = getattr(ns, key)
-        if text is None:
-            out[key] = None
-            continue
-        try:
-            value = float(text)
-        except ValueError:
-            value = -1.0
-        if not value > 0:
-            raise HvdUsageError(f"{flag} {text!r}: give a number > 0, e.g. --model-bytes 2e6 "
-                                "(gradient bytes per step) --step-time 0.05 (seconds)")
-        out[key] = value
-    return out
+#: ``%hvd doctor``'s own options (beside the pool's): its ``LineRequest.doctor``.
+_DOCTOR_ONLY = [o.dest for o in options_of(DOCTOR) if o not in options_of(START)]
 
 
 def parse_line_args(line: str) -> LineRequest:
@@ -259,58 +166,56 @@ def parse_line_args(line: str) -> LineRequest:
     words = _split(line, LINE_USAGE)
     if not words:
         raise HvdUsageError(f"%hvd needs a command\nusage: {LINE_USAGE}")
-    command, rest = words[0], words[1:]
-    if command not in SUBCOMMANDS:
-        raise HvdUsageError(f"%hvd {command}: unknown command; use one of "
+    name, rest = words[0], words[1:]
+    if name not in SUBCOMMANDS:
+        raise HvdUsageError(f"%hvd {name}: unknown command; use one of "
                             f"{', '.join(SUBCOMMANDS)}\nusage: {LINE_USAGE}\n"
                             "(to run code on the ranks use the cell magic %%hvd)")
-    req = LineRequest(command)
-    p = _Parser(LINE_USAGE)
-    if command in ("status", "stop", "profiles"):
-        p.parse_args(rest)
-    elif command in ("restart", "start"):
-        _pool_options(p)
-        _pool_fields(p.parse_args(rest), req.pool)
-    elif command == "export":
-        p.add_argument("names", nargs="*")
-        req.names = list(p.parse_args(rest).names)
+    command = COMMANDS[SUBCOMMANDS.index(name)]
+    req = LineRequest(name)
+    values, _ = _parse(f"%hvd {name}", rest, f"%hvd {_line_usage(command)}",
+                       names=bool(command.words))
+    req.names = values.get("names", [])
+    if name in ("restart", "start", "doctor"):
+        _pool_fields(values, req.pool)
+    if name == "doctor":
+        req.doctor = {dest: values[dest] for dest in _DOCTOR_ONLY}
+    elif name == "export":
         if len(req.names) != 1:
             raise HvdUsageError("%hvd export takes one file name, e.g. %hvd export train.py")
         return req
-    elif command == "resize":
-        p.add_argument("names", nargs="*")
-        rest = p.parse_args(rest).names
-        if len(rest) != 1 or not rest[0].isdigit() or int(rest[0]) < 1:
+    elif name == "resize":
+        if len(req.names) != 1 or not req.names[0].isdigit() or int(req.names[0]) < 1:
             raise HvdUsageError("%hvd resize takes the number of ranks the elastic pool "
                                 "should have, e.g. %hvd resize 3")
-        req.pool.np = int(rest[0])
+        req.pool.np, req.names = int(req.names[0]), []
         return req
-    elif command == "doctor":
-        _pool_options(p)
-        _doctor_options(p)
-        ns = p.parse_args(rest)
-        _pool_fields(ns, req.pool)
-        req.doctor = _doctor_fields(ns)
-    elif command == "push":
-        p.add_argument("names", nargs="*")
-        p.add_argument("--ranks", default=None)
-        ns = p.parse_args(rest)
-        req.names = list(ns.names)
+    elif name == "push":
         if not req.names:
             raise HvdUsageError("%hvd push needs variable names, e.g. %hvd push model lr")
-        if ns.ranks is not None:
-            req.ranks = _rank_list(ns.ranks, "--ranks")
-    else:
-        p.add_argument("names", nargs="*")
-        p.add_argument("--rank", default=None)
-        ns = p.parse_args(rest)
-        req.names = list(ns.names)
+        req.ranks = values["ranks"]
+    elif name == "pull":
         if len(req.names) != 1:
             raise HvdUsageError("%hvd pull takes one variable name, e.g. %hvd pull loss "
                                 "[--rank 0]")
-        if ns.rank is not None:
-            req.rank = _rank_list(ns.rank, "--rank")[0]
+        req.rank = values["rank"]
     bad = [n for n in req.names if not n.isidentifier()]
     if bad:
         raise HvdUsageError(f"{bad}: not Python variable names")
     return req
+
+
+SCALE_USAGE = f"{SCALE} {usage_words(SCALE)} (then the cell)"
+
+
+def parse_scale_args(line: str) -> str:
+    """``scale --np 1,2,4`` (a ``%%hvd scale`` / ``%hvd scale`` line) -> the ``--np`` text
+    (``"1,2,4"``; raises :class:`HvdUsageError`)."""
+    values, rest = _parse(SCALE, _split(line, SCALE_USAGE)[1:], SCALE_USAGE, known=True)
+    if rest:
+        raise HvdUsageError(f"%hvd scale takes only --np (got {rest[0]!r}); it runs the cell "
+                            "on one host at each size: %%hvd scale --np 1,2,4")
+    if values["np"] is None:
+        raise HvdUsageError("usage: %%hvd scale --np 1,2,4 (then the cell), or %hvd scale "
+                            "--np 1,2,4 to re-run the last %%hvd cell")
+    return values["np"]

@@ -7,7 +7,8 @@ from typing import Any, Callable, Dict, List, Optional
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 
-from .args import CellRequest, HvdUsageError, check_ranks, parse_cell_args, parse_line_args
+from .args import CellRequest, HvdUsageError, check_ranks, parse_cell_args, parse_line_args, \
+    parse_scale_args
 
 #: First lines that keep a cell in this kernel while %autohvd is on.
 LOCAL_PREFIXES = ("%hvd", "%autohvd", "%%")
@@ -130,19 +131,10 @@ class HvdMagics(Magics):
     def _scale(self, line: str, cell: Optional[str]) -> Any:
         """``%%hvd scale --np 1,2,4`` (or ``%hvd scale ...`` for the last %%hvd cell): run the
         cell at each pool size; plot throughput and efficiency against ranks."""
-        words = line.split()[1:]
-        nps = None
-        for i, w in enumerate(words):
-            if w in ("--np", "-np") and i + 1 < len(words):
-                nps = words[i + 1]
-            elif w.startswith("--np="):
-                nps = w.split("=", 1)[1]
-            elif not (i > 0 and words[i - 1] in ("--np", "-np")):
-                raise UsageError(f"%hvd scale takes only --np (got {w!r}); it runs the cell on "
-                                 "one host at each size: %%hvd scale --np 1,2,4")
-        if nps is None:
-            raise UsageError("usage: %%hvd scale --np 1,2,4 (then the cell), or %hvd scale "
-                             "--np 1,2,4 to re-run the last %%hvd cell")
+        try:
+            nps = parse_scale_args(line)
+        except HvdUsageError as exc:
+            raise _usage(exc) from None
         code = cell if cell is not None else self.last_cell
         if not code:
             raise UsageError("%hvd scale: no %%hvd cell has run yet; put the code in the cell: "

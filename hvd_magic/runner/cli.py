@@ -9,6 +9,7 @@ from typing import List, Optional, TextIO
 
 from .launch import MpiNotFoundError, detect_mpi, execute, execute_elastic, find_mpiexec, \
     prepare
+from .options import HVDRUN, SLURM_OPTIONS, add_options, given_without
 from .plan import LaunchArgs, autotune_env, parse_hostfile, parse_hosts, validate
 
 DESCRIPTION = """\
@@ -41,103 +42,11 @@ class _Parser(argparse.ArgumentParser):
                      f"Try `{self.prog} -np 2 python script.py`, or `{self.prog} --help`.\n")
 
 
-def _nonneg(kind: type, flag: str):
-    def convert(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
-        return value
-    convert.__name__ = flag
-    return convert
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of ranks") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: need at least 1 rank")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
-    """The ``hvdrun`` argument parser."""
+    """The ``hvdrun`` argument parser (its options: :mod:`.options`)."""
     p = _Parser(prog="hvdrun", description=DESCRIPTION, epilog=EPILOG,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-np", "--num-proc", dest="np", type=_positive_int, metavar="N",
-                   help="number of ranks to start")
-    hosts = p.add_mutually_exclusive_group()
-    hosts.add_argument("-H", "--hosts", dest="hosts", metavar="HOST:SLOTS,...",
-                       help="hosts and their slots, e.g. node1:4,node2:4 (default: this machine)")
-    hosts.add_argument("--hostfile", metavar="FILE",
-                       help="file with one host per line, 'host slots=N' or 'host:N'")
-    hosts.add_argument("--slurm", action="store_true",
-                       help="get a Slurm allocation for the ranks (salloc), run in it, release "
-                            "it at the end; inside an sbatch/salloc job its allocation is used "
-                            "without this flag")
-    hosts.add_argument("--profile", metavar="NAME",
-                       help="a cluster profile (NAME.toml in HVD_MAGIC_PROFILE_DIR or "
-                            "~/.hvd_magic/profiles): hosts or Slurm, ranks, network, setup")
-    p.add_argument("--partition", metavar="P", help="--slurm: the partition")
-    p.add_argument("--time", metavar="T", help="--slurm: the time limit (minutes, H:MM:SS)")
-    p.add_argument("--nodes", type=_positive_int, metavar="N", help="--slurm: number of nodes")
-    p.add_argument("--gpus-per-node", type=_positive_int, metavar="G",
-                   help="--slurm: GPUs on each node")
-    p.add_argument("--profiles", action="store_true",
-                   help="list the cluster profiles, and exit")
-    p.add_argument("--oversubscribe", action="store_true",
-                   help="allow more ranks than the hosts' slots, or than 4 per core here")
-    p.add_argument("--timeline-filename", metavar="F",
-                   help="write a Horovod timeline (HOROVOD_TIMELINE)")
-    p.add_argument("--fusion-threshold-mb", type=_nonneg(float, "MB"), metavar="M",
-                   help="tensor fusion buffer in MiB (HOROVOD_FUSION_THRESHOLD, bytes)")
-    p.add_argument("--cycle-time-ms", type=_nonneg(float, "ms"), metavar="T",
-                   help="engine cycle time in ms (HOROVOD_CYCLE_TIME)")
-    p.add_argument("--min-np", type=_positive_int, metavar="N",
-                   help="elastic training (hvd.elastic.run): go on while at least N ranks are "
-                        "left (starts MPI with fault tolerance, ULFM)")
-    p.add_argument("--max-np", type=_positive_int, metavar="N",
-                   help="elastic training: grow to at most N ranks when the host discovery "
-                        "script lists more slots")
-    p.add_argument("--host-discovery-script", metavar="S",
-                   help="elastic training: an executable printing 'host:slots' lines; the job "
-                        "grows or shrinks to the slots at the next commit")
-    p.add_argument("--reset-limit", type=_nonneg(int, "N"), metavar="N",
-                   help="elastic training: maximum number of times that the training job can "
-                        "scale up or down the number of workers after which the job is "
-                        "terminated (default: None)")
-    p.add_argument("--blacklist-cooldown-range", type=int, nargs=2, metavar=("MIN", "MAX"),
-                   help="elastic training: range of seconds (min, max) a failing host will "
-                        "remain in blacklist (default: None: for the rest of the job)")
-    p.add_argument("--autotune", action="store_true",
-                   help="tune the fusion threshold and cycle time while training (HOROVOD_AUTOTUNE)")
-    p.add_argument("--autotune-log-file", metavar="F",
-                   help="CSV of every autotune trial, by rank 0 (HOROVOD_AUTOTUNE_LOG)")
-    for flag, kind in (("warmup-samples", int), ("steps-per-sample", int),
-                       ("bayes-opt-max-samples", int), ("gaussian-process-noise", float)):
-        p.add_argument(f"--autotune-{flag}", type=_nonneg(kind, "N"), metavar="N",
-                       help=f"(HOROVOD_AUTOTUNE_{flag.upper().replace('-', '_')})")
-    p.add_argument("--stall-check-seconds", type=_nonneg(float, "s"), metavar="S",
-                   help="warn about stalled collectives after S s "
-                        "(HOROVOD_STALL_CHECK_TIME_SECONDS)")
-    p.add_argument("--cache-capacity", type=_nonneg(int, "N"), metavar="N",
-                   help="requests each rank remembers so that repeated ones negotiate cheaply "
-                        "(HOROVOD_CACHE_CAPACITY, default 1024; 0: off)")
-    p.add_argument("--output-filename", metavar="DIR",
-                   help="write each rank's output to files under DIR")
-    p.add_argument("--network-interface", metavar="IF",
-                   help="network for multi-host traffic: an interface name (eth0), or with "
-                        "Open MPI also a subnet (10.0.0.0/24) or a comma-separated list; "
-                        "Open MPI's daemons and TCP transport use only it, NCCL and Gloo get "
-                        "the interface names (NCCL/GLOO_SOCKET_IFNAME)")
-    p.add_argument("--verbose", action="store_true",
-                   help="print the mpiexec command and what it means")
-    p.add_argument("--check-build", action="store_true",
-                   help="show which frameworks, controllers and operations are available, and exit")
+    add_options(p, HVDRUN)
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND...",
                    help="the program to run on every rank, e.g. python train.py")
     return p
@@ -294,10 +203,10 @@ def slurm_wanted(ns: argparse.Namespace) -> bool:
     """--slurm, or no host options inside an sbatch/salloc job (its allocation is used)."""
     import os
     from .slurm import allocation_from_env
-    opts = [ns.partition, ns.time, ns.nodes, ns.gpus_per_node]
-    if any(v is not None for v in opts) and not ns.slurm:
-        raise SystemExit("hvdrun: error: --partition/--time/--nodes/--gpus-per-node go with "
-                         "--slurm, e.g. hvdrun -np 8 --slurm --nodes 2 python train.py")
+    if given_without(ns, HVDRUN):
+        flags = "/".join(f"--{dest.replace('_', '-')}" for dest in SLURM_OPTIONS)
+        raise SystemExit(f"hvdrun: error: {flags} go with --slurm, e.g. hvdrun -np 8 "
+                         "--slurm --nodes 2 python train.py")
     if ns.slurm:
         return True
     return ns.hosts is None and ns.hostfile is None and \
@@ -312,7 +221,7 @@ def run_in_slurm(ns: argparse.Namespace, args: LaunchArgs, setup: List[str],
     from .slurm_alloc import Allocation, SlurmError
     from .slurm import SlurmRequest
     env = dict(os.environ)
-    opts = {k: getattr(ns, k) for k in ("partition", "time", "nodes", "gpus_per_node")}
+    opts = {k: getattr(ns, k) for k in SLURM_OPTIONS}
     alloc = None
     if not any(v is not None for v in opts.values()):
         alloc = Allocation.from_env(env)

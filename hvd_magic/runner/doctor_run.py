@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from .doctor import Report, analyse, failed_report, render_text
 from .doctor_probe import PREFIX
+from .options import DOCTOR_CLI, SLURM_OPTIONS, add_options, given_without
 from .plan import Host, LaunchArgs, is_single_host, parse_hosts
 
 #: Seconds the probe may take before the doctor gives up (unreachable hosts hang ssh).
@@ -111,23 +112,13 @@ def run_doctor(np: Optional[int], hosts: Optional[Sequence[Host]] = None,
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hvd_magic.runner.doctor_run",
+    p = argparse.ArgumentParser(prog=DOCTOR_CLI,
                                 description="pre-flight check of a pool (see docs/doctor.md)")
-    p.add_argument("-np", "--np", type=int, default=None)
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("-H", "--hosts", default=None)
-    where.add_argument("--hostfile", default=None)
-    where.add_argument("--slurm", action="store_true", default=False)
-    where.add_argument("--profile", default=None)
-    for flag in ("--partition", "--time", "--nodes", "--gpus-per-node"):
-        p.add_argument(flag, default=None, help="with --slurm, as hvdrun takes it")
-    p.add_argument("--network-interface", default=None)
-    p.add_argument("--model-bytes", type=float, default=None)
-    p.add_argument("--step-time", type=float, default=None)
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_options(p, DOCTOR_CLI)
     ns = p.parse_args(argv)
-    slurm = {k: getattr(ns, k) for k in ("partition", "time", "nodes", "gpus_per_node")} \
-        if ns.slurm else None
+    if given_without(ns, DOCTOR_CLI):
+        p.error(f"{' '.join(given_without(ns, DOCTOR_CLI))} go with --slurm")
+    slurm = {k: getattr(ns, k) for k in SLURM_OPTIONS} if ns.slurm else None
     rep = run_doctor(ns.np, parse_hosts(ns.hosts) if ns.hosts else None, ns.hostfile,
                      model_bytes=ns.model_bytes, step_time=ns.step_time,
                      network_interface=ns.network_interface, slurm=slurm,
