@@ -161,6 +161,10 @@ _VARS = [
     Var("HVD_MAGIC_SYS_PATH", "str", "",
         "sys.path entries hvd_magic.run gives its ranks", internal=True),
     Var("HVD_MAGIC_POOL", "bool", False, "set to 1 in a pool's ranks", internal=True),
+    Var("HVD_MAGIC_STACKS_DIR", "str", "",
+        "directory where each rank writes its stacks when asked (SIGUSR2); hvdrun and a "
+        "notebook's pool set it; unset: one directory per MPI job under the temporary "
+        "directory", internal=True),
     Var("HVD_MAGIC_AUTOHVD", "str", "",
         "%autohvd options that every cell runs with (the hvd_magic Jupyter kernel sets it)"),
     # -- the live panel

@@ -39,6 +39,7 @@ from .interrupts import defer_sigint, restore_sigint
 from .negotiation import Ann, Negotiator, RankMsg, new_tuple
 from .response_cache import ResponseCache
 from .stall import StallCheck
+from ..stacks import dump as stack_dump
 from .timeline import CYCLE, FLUSH_S, Timeline, TimelineWriter, now_us
 from .waiting import INLINE_SPIN_S, next_cycle_in, tight_timer_slack, wait_request
 
@@ -104,7 +105,9 @@ class Engine:
         self.inline = env.get("HVD_MAGIC_INLINE")
         self.wire = SlotExchange(comm, SLOT)
         self.stall = StallCheck(config.stall_check_s, config.stall_shutdown_s, self.me, self.where,
-                                self.rank == 0)
+                                self.rank == 0, ranks or range(self.size))
+        if set_id == 0:
+            stack_dump.install(self.rank)   # answer SIGUSR2 with every thread's stack
         self._next_tick = 0.0
         self._empty_streak = 0
         self._in_cycle_since = 0.0

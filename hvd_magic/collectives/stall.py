@@ -5,12 +5,15 @@ rank 0 warns, naming the tensors and the missing ranks; after the shutdown time 
 the ranks that submitted it cancel it on every rank. A rank whose negotiation itself has not
 completed for that long (the other ranks stopped negotiating) warns about, and then fails,
 its own requests. :class:`StallCheck` decides; the engine reads its tables under its locks
-and carries out what it returns.
+and carries out what it returns. A rank that warns then gathers every rank's stack (on a
+thread of its own, at most :data:`hvd_magic.stacks.dump.TIMEOUT` seconds) and writes them
+below the warning, each rank's line of the user's code first (:mod:`hvd_magic.stacks`).
 """
 from __future__ import annotations
 
 import sys
-from typing import Iterable, Optional
+import threading
+from typing import Iterable, Optional, Sequence
 
 from .errors import StallError
 from .negotiation import StallInfo
@@ -18,12 +21,15 @@ from .negotiation import StallInfo
 
 class StallCheck:
     def __init__(self, check_s: float, shutdown_s: float, rank: int, where: str = "",
-                 lead: Optional[bool] = None) -> None:
+                 lead: Optional[bool] = None, ranks: Sequence[int] = ()) -> None:
         """``rank``: this rank as messages name it; ``where``: which process set, in words
-        (" in process set 1"); ``lead``: this rank warns for everyone (default: rank 0)."""
+        (" in process set 1"); ``lead``: this rank warns for everyone (default: rank 0);
+        ``ranks``: the hvd ranks whose stacks a warning shows (none: no stacks)."""
         self.check, self.kill, self.rank, self.where = check_s, shutdown_s, rank, where
         self.lead = rank == 0 if lead is None else lead
+        self.ranks = list(ranks)
         self.last_warn = 0.0
+        self.reported: frozenset = frozenset()   # the stalled tensors stacks were shown for
         limits = [x for x in (check_s, shutdown_s) if x > 0]
         self.first = min(limits) if limits else 0.0
         # how often an idle engine thread wakes up to check (None: never)
@@ -51,6 +57,22 @@ class StallCheck:
             f"by some ranks and have waited more than {self.check:g} s for the others. Ranks that "
             "submit different tensors, or only some ranks submitting, cause this.\n  "
             + "\n  ".join(lines) + "\n")
+        sys.stderr.flush()
+        names = frozenset([i.name for i in infos] + [r.ann.name for r in mine])
+        if self.ranks and names != self.reported:
+            self.reported = names
+            threading.Thread(target=self.write_stacks, name="hvd_magic-stacks",
+                             daemon=True).start()
+
+    def write_stacks(self) -> None:
+        """Gather every rank's stack and write them to stderr under the warning."""
+        from ..stacks import dump, group
+        try:
+            stacks = dump.gather(dump.job_dir(), self.ranks)
+            text = group.render(stacks, title=f"stall{self.where}: the stacks")
+        except Exception as exc:  # noqa: BLE001 - the warning itself is out already
+            text = f"stall{self.where}: the ranks' stacks could not be gathered: {exc!r}"
+        sys.stderr.write(f"[hvd_magic rank {self.rank}] {text}\n")
         sys.stderr.flush()
 
     def to_fail(self, now: float, infos: dict, mine: Iterable, cancelled: set, stuck: bool,

@@ -1,7 +1,8 @@
 """Doing, not deciding: find ``mpiexec``, detect its implementation, run the planned job.
 
 The thin layer around :func:`hvd_magic.runner.plan.plan_launch`: it forwards SIGINT/SIGTERM
-to ``mpiexec``, kills the job on a timeout, and returns the job's exit code.
+to ``mpiexec``, prints every rank's stack on SIGUSR1 (:mod:`hvd_magic.stacks`), kills the
+job on a timeout, and returns the job's exit code.
 """
 from __future__ import annotations
 
@@ -110,6 +111,9 @@ def prepare(args: LaunchArgs, env: Optional[Mapping[str, str]] = None,
     """Detect MPI, decide on a namespace, plan; under ``args.verbose`` explain it on ``log``."""
     base = dict(os.environ if env is None else env)
     info = detect_mpi(find_mpiexec(base))
+    if not config.get("HVD_MAGIC_STACKS_DIR", base):
+        # where the ranks write their stacks when asked (SIGUSR1 to hvdrun, or a stall)
+        base["HVD_MAGIC_STACKS_DIR"] = stacks_dir()
     names = local_names()
     single = is_single_host(args, names)
     use_ns = single and netns_wanted(base) and netns_available()
@@ -131,6 +135,31 @@ def prepare(args: LaunchArgs, env: Optional[Mapping[str, str]] = None,
     return argv, out
 
 
+#: The stack directories this process named for its jobs: :func:`execute` makes each one
+#: when its job starts and removes it when the job ends.
+_MADE_DIRS: set = set()
+
+
+def stacks_dir() -> str:
+    """A new name for one job's private directory of stack files (:mod:`hvd_magic.stacks`)."""
+    import secrets
+    import tempfile
+    d = os.path.join(tempfile.gettempdir(), f"hvdrun-stacks-{os.getpid()}-{secrets.token_hex(6)}")
+    _MADE_DIRS.add(d)
+    return d
+
+
+def print_stacks(d: str, out: Optional[TextIO] = None) -> None:
+    """Every rank's stack, grouped, on ``out`` (stderr): what SIGUSR1 to hvdrun prints."""
+    from ..stacks import dump, group
+    ranks = sorted(int(n[:-4]) for n in os.listdir(d) if n.endswith(".pid") and n[:-4].isdigit())
+    text = (group.render(dump.gather(d, ranks), title="hvdrun: the stacks") if ranks else
+            "hvdrun: no rank has registered for stacks yet (they do at hvd.init())")
+    out = out or sys.stderr
+    out.write(text + "\n")
+    out.flush()
+
+
 def _stop(proc: subprocess.Popen, grace: float = 5.0) -> None:
     """SIGTERM ``mpiexec`` (it tears the ranks down), then SIGKILL its process group."""
     if proc.poll() is not None:
@@ -150,12 +179,16 @@ def execute(argv: Sequence[str], env: Mapping[str, str], *, timeout: Optional[fl
             on_line: Optional[Callable[[str, str], None]] = None) -> int:
     """Run ``argv`` in its own session; return its exit code (128+N if killed by signal N).
 
-    SIGINT/SIGTERM received meanwhile (main thread only) are passed on to ``mpiexec``. With
+    SIGINT/SIGTERM received meanwhile (main thread only) are passed on to ``mpiexec``; SIGUSR1
+    prints every rank's stack (:func:`print_stacks`). With
     ``on_line`` the job's stdout/stderr are read line by line and handed to
     ``on_line(stream_name, line)``; otherwise they are inherited. ``timeout`` (seconds) stops
     the job and raises TimeoutError.
     """
     pipe = subprocess.PIPE if on_line else None
+    made = config.get("HVD_MAGIC_STACKS_DIR", env)
+    if made in _MADE_DIRS:
+        os.makedirs(made, mode=0o700)
     proc = subprocess.Popen(list(argv), env=dict(env), stdout=pipe, stderr=pipe,
                             stdin=subprocess.DEVNULL, start_new_session=True)
     readers = []
@@ -171,6 +204,12 @@ def execute(argv: Sequence[str], env: Mapping[str, str], *, timeout: Optional[fl
                 proc.send_signal(signum)
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, forward)
+        d = made
+        if d and hasattr(signal, "SIGUSR1"):
+            def stacks(_signum: int, _frame: object) -> None:
+                # gathering waits up to 2 s for the ranks: not in the signal handler
+                threading.Thread(target=print_stacks, args=(d,), daemon=True).start()
+            previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, stacks)
     try:
         try:
             rc = proc.wait(timeout)
@@ -185,6 +224,8 @@ def execute(argv: Sequence[str], env: Mapping[str, str], *, timeout: Optional[fl
             signal.signal(sig, handler)  # type: ignore[arg-type]
         for t in readers:
             t.join(5)
+        if made in _MADE_DIRS:
+            shutil.rmtree(made, ignore_errors=True)
     return 128 - rc if rc < 0 else rc
 
 

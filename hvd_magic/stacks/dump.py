@@ -1,0 +1,167 @@
+"""Doing: each rank answers a signal with every thread's stack; a gatherer collects them.
+
+:func:`install` (at ``hvd.init()``) registers :data:`SIGNAL` with :mod:`faulthandler`, whose
+handler writes every thread's Python stack from C, without the GIL, so a rank that is stuck
+in C code holding the GIL still answers. It writes to ``<dir>/<rank>.stack`` and records its
+pid, host and main thread in ``<dir>/<rank>.pid``. The directory is
+``HVD_MAGIC_STACKS_DIR`` (set by hvdrun and by a notebook's pool), else one per MPI job
+under the temporary directory. :func:`gather` signals every rank that runs on this host and
+reads what each wrote, for at most ``timeout`` seconds; a rank that does not answer, or runs
+on another host, is named as such.
+"""
+from __future__ import annotations
+
+import faulthandler
+import os
+import re
+import signal
+import socket
+import tempfile
+import threading
+import time
+from typing import Dict, List, Optional, Sequence
+
+from .. import config
+from .group import RankStack, parse
+
+#: The signal a rank answers with its stacks (Open MPI's mpiexec forwards it to the ranks).
+SIGNAL = signal.SIGUSR2
+#: Seconds a gatherer waits for the ranks' stacks.
+TIMEOUT = 2.0
+#: A dump is complete when its file has not grown for this long.
+SETTLE_S = 0.1
+
+_state: Dict[str, object] = {}
+
+
+def job_dir(env: Optional[dict] = None) -> Optional[str]:
+    """Where this job's ranks write their stacks (None: nowhere known)."""
+    env = os.environ if env is None else env
+    given = config.get("HVD_MAGIC_STACKS_DIR", env)
+    if given:
+        return given
+    # one directory per MPI job, named by the launcher's job id
+    job = env.get("PMIX_NAMESPACE") or env.get("OMPI_MCA_orte_ess_jobid") or env.get("PMI_KVSNAME")
+    if not job:
+        return None
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    return os.path.join(tempfile.gettempdir(),
+                        f"hvd_magic-stacks-{uid}-{re.sub(r'[^A-Za-z0-9_.-]', '_', job)}")
+
+
+def install(rank: int) -> Optional[str]:
+    """Make this process answer :data:`SIGNAL` with every thread's stack, as ``rank``.
+    Returns the stack file, or None (no directory known, or the program handles the
+    signal itself: then it is left alone)."""
+    current = signal.getsignal(SIGNAL)
+    if callable(current) or current == signal.SIG_IGN:
+        return None      # the program's own handler
+    d = job_dir()
+    if d is None:
+        return None
+    given = bool(config.get("HVD_MAGIC_STACKS_DIR"))
+    try:
+        if not given:
+            os.makedirs(d, mode=0o700, exist_ok=True)
+        elif not os.path.isdir(d):
+            # hvdrun's directory is on its own host: a rank elsewhere dumps to stderr
+            faulthandler.register(SIGNAL, file=_stderr(), all_threads=True, chain=False)
+            return None
+        path = os.path.join(d, f"{rank}.stack")
+        if _state.get("path") != path:
+            old = _state.get("file")
+            fh = open(path, "ab", buffering=0)
+            faulthandler.register(SIGNAL, file=fh, all_threads=True, chain=False)
+            _state["file"], _state["path"] = fh, path
+            if old is not None:
+                old.close()  # type: ignore[attr-defined]
+        tmp = os.path.join(d, f".{rank}.pid.{os.getpid()}")
+        with open(tmp, "w") as fh:
+            fh.write(f"{os.getpid()} {socket.gethostname()} {threading.main_thread().ident}\n")
+        os.replace(tmp, os.path.join(d, f"{rank}.pid"))
+    except OSError:
+        return None
+    return path
+
+
+def _stderr():
+    import sys
+    return sys.__stderr__ or sys.stderr
+
+
+def _read_pid(d: str, rank: int) -> Optional[tuple]:
+    try:
+        with open(os.path.join(d, f"{rank}.pid")) as fh:
+            pid, host, main = fh.read().split()
+        return int(pid), host, int(main)
+    except (OSError, ValueError):
+        return None
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def gather(d: Optional[str], ranks: Sequence[int], timeout: float = TIMEOUT,
+           pids: Optional[Dict[int, int]] = None) -> List[RankStack]:
+    """Signal each rank of ``ranks`` that runs on this host and read its stacks from ``d``,
+    waiting at most ``timeout`` seconds. ``pids``: rank -> pid known to the caller (checked
+    against the rank's own record)."""
+    out: Dict[int, RankStack] = {r: RankStack(r) for r in ranks}
+    if d is None or not os.path.isdir(d):
+        for s in out.values():
+            s.missing = "no stack: this job's ranks registered no stack files"
+        return list(out.values())
+    host = socket.gethostname()
+    asked: Dict[int, tuple] = {}      # rank -> (path, offset)
+    for r in ranks:
+        rec = _read_pid(d, r)
+        if rec is None:
+            out[r].missing = ("no stack: it registered no stack file (it runs on another host, "
+                              "or its program handles SIGUSR2 itself)")
+            continue
+        pid, rhost, main = rec
+        if pids and r in pids and pids[r] != pid:
+            out[r].missing = f"no stack: its stack file belongs to pid {pid}, not {pids[r]}"
+            continue
+        if rhost != host:
+            out[r].missing = f"no stack: it runs on {rhost}, not on {host}"
+            continue
+        path = os.path.join(d, f"{r}.stack")
+        offset = _size(path)
+        try:
+            os.kill(pid, SIGNAL)
+        except OSError as exc:
+            out[r].missing = f"no stack: pid {pid} cannot be signalled ({exc.strerror})"
+            continue
+        out[r].main_ident = main
+        asked[r] = (path, offset)
+    deadline = time.monotonic() + timeout
+    grown: Dict[int, tuple] = {}      # rank -> (size, when it last grew)
+    while asked:
+        now = time.monotonic()
+        for r, (path, offset) in list(asked.items()):
+            size = _size(path)
+            if size > offset:
+                seen = grown.get(r)
+                if seen is None or seen[0] != size:
+                    grown[r] = (size, now)
+                elif now - seen[1] >= SETTLE_S:
+                    with open(path, "rb") as fh:
+                        fh.seek(offset)
+                        out[r].threads = parse(fh.read(size - offset).decode(errors="replace"))
+                    del asked[r]
+        if not asked or now > deadline:
+            break
+        time.sleep(0.02)
+    for r, (path, offset) in asked.items():
+        if r in grown:     # it answered, the last lines may still come: take what is there
+            with open(path, "rb") as fh:
+                fh.seek(offset)
+                out[r].threads = parse(fh.read().decode(errors="replace"))
+            continue
+        out[r].missing = f"did not answer within {timeout:g} s (stopped, or gone)"
+    return [out[r] for r in ranks]

@@ -1,0 +1,51 @@
+"""Ranks that wait on different collectives, or that compute in C holding the GIL.
+
+``mismatch``: rank 0 waits in allreduce 'grad.weight' while rank 1 waits in allreduce
+'grad.bias'. The stall check (HOROVOD_STALL_CHECK_TIME_SECONDS, short in the test) must show
+where each rank waits and both stacks; the stall shutdown
+(HOROVOD_STALL_SHUTDOWN_TIME_SECONDS) then ends both calls with StallError.
+
+``gil``: rank 0 waits in an allreduce while rank 1 runs one long C call that never releases
+the GIL (a regular expression that backtracks); rank 1's stack must still come.
+
+``usr1``: ``mismatch`` printing READY first; the test sends SIGUSR1 to hvdrun then.
+"""
+import re
+import sys
+import time
+
+import numpy as np
+
+import hvd_magic.collectives as hvd
+
+mode = sys.argv[1]
+hvd.init()
+r = hvd.rank()
+x = np.ones(4)
+
+
+def spin_in_c(seconds):
+    # catastrophic backtracking: each match is one C call (re's matcher) holding the GIL
+    n = 20
+    while True:
+        t0 = time.monotonic()
+        re.match(r"(a*)*b", "a" * n)                      # SPIN-IN-C
+        if time.monotonic() - t0 > seconds:   # one call took this long: enough
+            return
+        n += 1
+
+
+if mode in ("mismatch", "usr1"):
+    print(f"READY {r}", flush=True)
+    try:
+        if r == 0:
+            hvd.allreduce(x, name="grad.weight")          # WAIT-WEIGHT
+        else:
+            hvd.allreduce(x, name="grad.bias")            # WAIT-BIAS
+    except (hvd.StallError, hvd.ShutdownError):   # the stall shutdown ends both
+        pass
+elif mode == "gil":
+    if r == 1:
+        spin_in_c(2.0)
+    hvd.allreduce(x, name="after")                        # WAIT-AFTER
+print(f"stall_stacks OK {r}", flush=True)

@@ -1,0 +1,136 @@
+"""Every rank's stack: at a stall, on SIGUSR1 to hvdrun, from a rank that holds the GIL in
+C code, and in a notebook's pool (%hvd stacks on a busy pool, the stall report in a cell).
+Real jobs throughout; the parsing and grouping on known dumps first."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from hvd_magic.stacks import group
+from mpi_harness import HERE, mpi_env, mpirun, run_job
+
+HVDRUN = str(Path(sys.executable).with_name("hvdrun"))
+SCRIPT = HERE / "mpi" / "stall_stacks.py"
+STALL = {"HOROVOD_STALL_CHECK_TIME_SECONDS": "1", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "5"}
+
+
+def line_of(mark: str) -> int:
+    """The line of ``stall_stacks.py`` that holds ``# mark``."""
+    for i, line in enumerate(SCRIPT.read_text().splitlines(), 1):
+        if line.rstrip().endswith("# " + mark) or f"# {mark} " in line or line.endswith(f"# {mark}"):
+            return i
+    raise AssertionError(mark)
+
+
+# ---------------------------------------------------------------- pure: parse, group, render
+
+def _dump(*threads):
+    """A faulthandler dump: ``threads`` = (ident, [(file, line, func), ...] innermost first)."""
+    out = []
+    for i, (ident, frames) in enumerate(threads):
+        out.append(f"{'Current thread' if i == 0 else 'Thread'} 0x{ident:016x} "
+                   "(most recent call first):")
+        out += [f'  File "{f}", line {n} in {fn}' for f, n, fn in frames]
+        out.append("")
+    return "\n".join(out)
+
+
+HVD = os.path.dirname(group.__file__)
+ENGINE = [(f"{HVD}/../collectives/engine.py", 300, "_loop"), (f"{HVD}/../collectives/engine.py", 240, "_main")]
+
+
+def test_ranks_with_the_same_stack_show_once_with_the_user_frames_first():
+    waiting = [(f"{HVD}/../collectives/handles.py", 60, "block"), ("/home/u/train.py", 12, "step"),
+               ("/home/u/train.py", 30, "<module>")]
+    other = [("/home/u/train.py", 17, "step"), ("/home/u/train.py", 30, "<module>")]
+    stacks = [group.RankStack(r, group.parse(_dump((10 + r, waiting if r != 1 else other),
+                                                   (99 + r, ENGINE))), main_ident=10 + r)
+              for r in range(3)]
+    stacks.append(group.RankStack(3, missing="did not answer within 2 s (stopped, or gone)"))
+    text = group.render(stacks)
+    assert "rank 0: waits in hvd_magic, called at /home/u/train.py:12 (in step)" in text
+    assert "rank 1: runs /home/u/train.py:17 (in step), not in a collective" in text
+    assert "rank 3: did not answer within 2 s" in text
+    assert text.count("--- ranks 0,2 (the same stack) ---") == 1 and "--- rank 1 ---" in text
+    block = text.split("--- ranks 0,2")[1].split("--- rank 1")[0]
+    # the user's frames, innermost first, then what lies inside them, then library threads
+    assert block.index("train.py\", line 12") < block.index("train.py\", line 30") \
+        < block.index("inside it: 1 frame(s)") < block.index("1 thread(s) in library code only")
+
+
+def test_a_dump_with_two_dumps_keeps_the_last():
+    text = _dump((1, [("/a.py", 1, "f")])) + _dump((1, [("/a.py", 2, "f")]))
+    assert [f.line for f in group.parse(text)[0].frames] == [2]
+
+
+# ---------------------------------------------------------------- hvdrun and mpiexec jobs
+
+def _assert_both_ranks(err: str, marks=("WAIT-WEIGHT", "WAIT-BIAS")) -> None:
+    for r, mark in enumerate(marks):
+        n = line_of(mark)
+        assert f"rank {r}: waits in hvd_magic, called at {SCRIPT}:{n} (in <module>)" in err, err
+        stack = err.split(f"--- rank {r} ---")[1]
+        assert f'File "{SCRIPT}", line {n}, in <module>' in stack.split("---")[0], err
+
+
+def test_hvdrun_stall_names_each_rank_s_waiting_line_and_shows_both_stacks():
+    proc = run_job([HVDRUN, "-np", "2", sys.executable, str(SCRIPT), "mismatch"],
+                   mpi_env(STALL), 120, "hvdrun")
+    assert proc.stdout.count("stall_stacks OK") == 2, proc.stdout + proc.stderr
+    err = proc.stderr
+    assert "WARNING: stall" in err and "stall: the stacks of 2 rank(s)" in err, err
+    assert err.index("WARNING: stall") < err.index("stall: the stacks")
+    _assert_both_ranks(err)
+
+
+def test_mpiexec_stall_shows_both_stacks_too():
+    proc = mpirun("stall_stacks.py", 2, "mismatch", env=STALL, timeout=120)
+    _assert_both_ranks(proc.stderr)
+
+
+def test_a_rank_spinning_in_c_holding_the_gil_still_gives_its_stack():
+    proc = run_job([HVDRUN, "-np", "2", sys.executable, str(SCRIPT), "gil"],
+                   mpi_env({"HOROVOD_STALL_CHECK_TIME_SECONDS": "1"}), 120, "hvdrun")
+    assert proc.stdout.count("stall_stacks OK") == 2, proc.stdout + proc.stderr
+    err = proc.stderr
+    spin = line_of("SPIN-IN-C")
+    assert f"rank 1: runs {SCRIPT}:{spin} (in spin_in_c), not in a collective" in err, err
+    assert f"rank 0: waits in hvd_magic, called at {SCRIPT}:{line_of('WAIT-AFTER')}" in err, err
+    # the C frame's caller chain: re.match inside the user's loop
+    assert "innermost __init__.py" in err.split("--- rank 1 ---")[1], err
+
+
+def test_sigusr1_to_hvdrun_prints_every_rank_s_stack():
+    env = mpi_env({"HOROVOD_STALL_CHECK_DISABLE": "1", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "8"})
+    proc = subprocess.Popen([HVDRUN, "-np", "2", sys.executable, str(SCRIPT), "usr1"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    lines: list = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")),
+                              daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 90
+        while sum(line.startswith("READY") for line in lines) < 2:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise AssertionError(f"no READY from both ranks: {lines}\n{proc.communicate()}")
+            time.sleep(0.05)
+        time.sleep(1.0)                  # both ranks are inside their allreduce by now
+        proc.send_signal(signal.SIGUSR1)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    reader.join(5)
+    assert proc.returncode == 0, err
+    assert "hvdrun: the stacks of 2 rank(s)" in err, err
+    _assert_both_ranks(err)
