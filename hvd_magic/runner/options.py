@@ -34,10 +34,8 @@ PUSH = "%hvd push"
 PULL = "%hvd pull"
 SCALE = "%%hvd scale"
 
-#: The commands run in a notebook (a value error is a UsageError, checked by ``check``).
-MAGICS = (CELL, START, RESTART, DOCTOR, PUSH, PULL, SCALE)
-_POOL = (CELL, START, RESTART, DOCTOR)          # the options that start a pool
-_PLACE = (HVDRUN, DOCTOR_CLI) + _POOL           # where the ranks run
+POOL = (CELL, START, RESTART, DOCTOR)          # the magics that start a pool
+PLACING = (HVDRUN, DOCTOR_CLI) + POOL           # the commands that place ranks on hosts
 
 
 @dataclass(frozen=True)
@@ -54,7 +52,7 @@ class Command:
 SUBCOMMANDS: Tuple[Command, ...] = (
     Command("status"), Command("stop"), Command("restart"), Command("push", "NAME..."),
     Command("pull", "NAME"), Command("start"), Command("export", "PATH"), Command("doctor"),
-    Command("profiles"), Command("resize", "N"))
+    Command("profiles"), Command("resize", "N"), Command("stacks"))
 
 
 @dataclass(frozen=True)
@@ -205,35 +203,35 @@ def _autotune(flag: str, kind: type) -> "Option":
 
 
 OPTIONS: Tuple[Option, ...] = (
-    Option(("-np", "--np"), "np", "number of ranks to start", _PLACE, metavar="N",
+    Option(("-np", "--np"), "np", "number of ranks to start", PLACING, metavar="N",
            type=positive_int, check=pool_size, spellings={HVDRUN: ("-np", "--num-proc")}),
     Option(("-H", "--hosts"), "hosts",
-           "hosts and their slots, e.g. node1:4,node2:4 (default: this machine)", _PLACE,
+           "hosts and their slots, e.g. node1:4,node2:4 (default: this machine)", PLACING,
            metavar="HOST:SLOTS,...", check=hosts, group="where"),
     Option(("--hostfile",), "hostfile",
-           "file with one host per line, 'host slots=N' or 'host:N'", _PLACE, metavar="FILE",
+           "file with one host per line, 'host slots=N' or 'host:N'", PLACING, metavar="FILE",
            check=file_name, group="where"),
     Option(("--slurm",), "slurm",
            "get a Slurm allocation for the ranks (salloc), run in it, release it at the end; "
-           "inside an sbatch/salloc job its allocation is used without this flag", _PLACE,
+           "inside an sbatch/salloc job its allocation is used without this flag", PLACING,
            action="store_true", group="where"),
     Option(("--profile",), "profile",
            "a cluster profile (NAME.toml in HVD_MAGIC_PROFILE_DIR or ~/.hvd_magic/profiles): "
-           "hosts or Slurm, ranks, network, setup", _PLACE, metavar="NAME",
+           "hosts or Slurm, ranks, network, setup", PLACING, metavar="NAME",
            check=profile_name, group="where"),
-    Option(("--partition",), "partition", "--slurm: the partition", _PLACE, metavar="P",
+    Option(("--partition",), "partition", "--slurm: the partition", PLACING, metavar="P",
            needs="slurm"),
-    Option(("--time",), "time", "--slurm: the time limit (minutes, H:MM:SS)", _PLACE,
+    Option(("--time",), "time", "--slurm: the time limit (minutes, H:MM:SS)", PLACING,
            metavar="T", needs="slurm"),
-    Option(("--nodes",), "nodes", "--slurm: number of nodes", _PLACE, metavar="N",
+    Option(("--nodes",), "nodes", "--slurm: number of nodes", PLACING, metavar="N",
            type=positive_int, check=whole_number, needs="slurm"),
-    Option(("--gpus-per-node",), "gpus_per_node", "--slurm: GPUs on each node", _PLACE,
+    Option(("--gpus-per-node",), "gpus_per_node", "--slurm: GPUs on each node", PLACING,
            metavar="G", type=positive_int, check=whole_number, needs="slurm"),
     Option(("--profiles",), "profiles", "list the cluster profiles, and exit", (HVDRUN,),
            action="store_true"),
     Option(("--oversubscribe",), "oversubscribe",
            "allow more ranks than the hosts' slots, or than 4 per core here",
-           (HVDRUN,) + _POOL, action="store_true"),
+           (HVDRUN,) + POOL, action="store_true"),
     Option(("--timeline-filename",), "timeline_filename",
            "write a Horovod timeline (HOROVOD_TIMELINE)", (HVDRUN,), metavar="F"),
     Option(("--fusion-threshold-mb",), "fusion_threshold_mb",
@@ -243,7 +241,7 @@ OPTIONS: Tuple[Option, ...] = (
            (HVDRUN,), metavar="T", type=non_negative(float, "ms")),
     Option(("--min-np",), "min_np",
            "elastic training (hvd.elastic.run): go on while at least N ranks are left "
-           "(starts MPI with fault tolerance, ULFM)", (HVDRUN,) + _POOL, metavar="N",
+           "(starts MPI with fault tolerance, ULFM)", (HVDRUN,) + POOL, metavar="N",
            type=positive_int, check=pool_size),
     Option(("--max-np",), "max_np",
            "elastic training: grow to at most N ranks when the host discovery script lists "
