@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import secrets
 import socket
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from ... import config
 from ...runner.plan import Host
@@ -71,8 +71,20 @@ def make_config(np: int, hosts: Optional[List[Host]] = None, hostfile: Optional[
                       slurm_job=None if slurm is None else slurm.job_id)
 
 
-Request = Tuple[int, Optional[List[Host]], Optional[str], Optional[int], Optional[Tuple],
-                Optional[Tuple], Tuple[str, ...]]
+class PoolRequest(NamedTuple):
+    """What a pool was started for; two equal requests are served by the same pool."""
+
+    np: int
+    hosts: Optional[List[Host]]
+    hostfile: Optional[str]
+    min_np: Optional[int]
+    slurm: Optional[Tuple]          # %%hvd --slurm's options, as sorted (key, value) pairs
+    env: Optional[Tuple]            # a profile's variables, as sorted (name, value) pairs
+    setup: Tuple[str, ...]          # a profile's set-up lines
+
+    def same_place(self, other: "PoolRequest") -> bool:
+        """Everything but the size is the same (an elastic pool resizes for it)."""
+        return self._replace(np=0) == other._replace(np=0)
 
 
 class PoolManager:
@@ -84,8 +96,8 @@ class PoolManager:
     def __init__(self, config_factory: Callable[..., PoolConfig] = make_config) -> None:
         self.pool: Optional[Pool] = None
         self.config_factory = config_factory
-        self.last: Optional[Request] = None         # the last request a pool started for
-        self._running: Optional[Request] = None     # the request self.pool was started for
+        self.last: Optional[PoolRequest] = None      # the last request a pool started for
+        self._running: Optional[PoolRequest] = None  # the request self.pool was started for
         from .slurm_pool import SlurmKeeper
         self._slurm = SlurmKeeper(self.stop)         # the pool's Slurm allocation, if any
 
@@ -95,7 +107,7 @@ class PoolManager:
         if self.pool is not None and self.pool.alive():
             return self.pool.size
         if self.last is not None:
-            return self.last[0]
+            return self.last.np
         value = config.get("HVD_MAGIC_NP")
         if value < 1:
             raise ValueError(f"HVD_MAGIC_NP={value}: a pool needs at least 1 rank")
@@ -113,18 +125,20 @@ class PoolManager:
         run on every host before a new pool starts."""
         if np is None and hosts is None and hostfile is None and slurm is None \
                 and self.last is not None:
-            np, hosts, hostfile, min_np, slurm_key, env_key, setup = self.last
-            slurm = dict(slurm_key) if slurm_key is not None else None
-            env = dict(env_key) if env_key is not None else None
+            last = self.last
+            np, hosts, hostfile, min_np, setup = (last.np, last.hosts, last.hostfile,
+                                                  last.min_np, last.setup)
+            slurm = dict(last.slurm) if last.slurm is not None else None
+            env = dict(last.env) if last.env is not None else None
         np = self.default_np() if np is None else np
-        request: Request = (np, hosts, hostfile, min_np,
-                            None if slurm is None else tuple(sorted(slurm.items())),
-                            None if not env else tuple(sorted(env.items())), tuple(setup))
+        request = PoolRequest(np, hosts, hostfile, min_np,
+                          None if slurm is None else tuple(sorted(slurm.items())),
+                          None if not env else tuple(sorted(env.items())), tuple(setup))
         old = self.pool
         if old is not None and old.alive() and request == self._running:
             return old                          # fast path: nothing to look up or plan
         if old is not None and old.alive() and old.elastic() and self._running is not None \
-                and request[1:] == self._running[1:]:
+                and request.same_place(self._running):
             note = self.resize(np, sink)        # another -np on an elastic pool: resize it
             if sink is not None:
                 sink.status(note)
@@ -136,7 +150,7 @@ class PoolManager:
         finally:
             self._slurm.touch(False)
 
-    def _ensure(self, request: Request, np: int, hosts: Optional[List[Host]],
+    def _ensure(self, request: PoolRequest, np: int, hosts: Optional[List[Host]],
                 hostfile: Optional[str], sink: Optional[OutputSink], oversubscribe: bool,
                 min_np: Optional[int], slurm: Optional[Dict[str, Any]],
                 env: Optional[Dict[str, str]], setup: Sequence[str]) -> Pool:
@@ -183,7 +197,7 @@ class PoolManager:
                              "--min-np M")
         note = pool.resize(np, sink)
         if self._running is not None:
-            self._running = self.last = (np,) + self._running[1:]
+            self._running = self.last = self._running._replace(np=np)
         return note
 
     def stop(self) -> bool:
