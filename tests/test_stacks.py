@@ -134,3 +134,89 @@ def test_sigusr1_to_hvdrun_prints_every_rank_s_stack():
     assert proc.returncode == 0, err
     assert "hvdrun: the stacks of 2 rank(s)" in err, err
     _assert_both_ranks(err)
+
+
+# ---------------------------------------------------------------- a notebook's pool
+
+MISMATCH_CELL = """import numpy as np, hvd_magic.collectives as hvd
+try:
+    if hvd.rank() == 0:
+        hvd.allreduce(np.ones(4), name='grad.weight')
+    else:
+        hvd.allreduce(np.ones(4), name='grad.bias')
+except (hvd.StallError, hvd.ShutdownError):
+    pass
+print('over')
+"""
+
+
+def test_a_stall_in_a_cell_names_each_rank_s_cell_line_and_shows_both_stacks(tmp_path):
+    pytest.importorskip("jupyter_client")
+    from test_failures import Kernel
+    k = Kernel(tmp_path / "kernel.log")
+    try:
+        settings = ", ".join(f"{k_}={v!r}" for k_, v in {**STALL, "HVD_MAGIC_WIDGETS": "0"}.items())
+        assert k.run(f"import os\nos.environ.update({settings})")[0]["status"] == "ok"
+        content, out = k.run(f"%%hvd -np 2\n{MISMATCH_CELL}", timeout=120)
+    finally:
+        k.stop()
+    assert content["status"] == "ok", content
+    assert "[0] over" in out and "[1] over" in out, out
+    report = out[out.index("stall: the stacks of 2 rank(s)"):]
+    # the cell's lines 4 and 6 (rank 0's and rank 1's allreduce), in the cell's file
+    assert re.search(r"rank 0: waits in hvd_magic, called at \S+:4 \(in <module>\)", report), out
+    assert re.search(r"rank 1: waits in hvd_magic, called at \S+:6 \(in <module>\)", report), out
+    for r, n in ((0, 4), (1, 6)):
+        stack = report.split(f"--- rank {r} ---")[1].split("---")[0]
+        assert re.search(rf'File "\S+", line {n}, in <module>', stack), out
+
+
+BUSY_CELL = """import re, time, hvd_magic.collectives as hvd
+if hvd.rank() == 1:
+    n = 20
+    while True:                          # one long C call holding the GIL, again and again
+        t0 = time.monotonic()
+        re.match(r"(a*)*b", "a" * n)
+        if time.monotonic() - t0 > 3:
+            break
+        n += 1
+else:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 4:
+        time.sleep(0.01)
+print('finished', hvd.rank())
+"""
+
+
+def test_hvd_stacks_on_a_busy_pool_answers_and_leaves_the_cell_running(capsys):
+    from IPython.testing.globalipapp import get_ipython, start_ipython
+    from test_pool import wait_no_pool_processes
+    ip = start_ipython() or get_ipython()
+    ip.run_line_magic("reload_ext", "hvd_magic")
+    try:
+        assert ip.run_cell("%%hvd -np 2 --no-stream\n1").success
+        done = {}
+        cell = threading.Thread(target=lambda: done.setdefault(
+            "res", ip.run_cell(f"%%hvd --no-stream\n{BUSY_CELL}")))
+        cell.start()
+        time.sleep(2.5)     # the cell runs on both ranks; rank 1 is inside re's C matcher
+        capsys.readouterr()
+        asked = time.monotonic()
+        ip.run_line_magic("hvd", "stacks")
+        took = time.monotonic() - asked
+        text = capsys.readouterr().out
+        assert cell.is_alive(), "the cell ended before the stacks were asked"
+        cell.join(120)
+        assert not cell.is_alive() and done["res"].success, done
+        after = capsys.readouterr().out
+    finally:
+        ip.run_line_magic("hvd", "stop")
+        ip.run_line_magic("unload_ext", "hvd_magic")
+    assert "hvd: the stacks of 2 rank(s)" in text and "did not answer" not in text, text
+    assert re.search(r"rank 0: runs \S+:13 \(in <module>\), not in a collective", text), text
+    assert re.search(r"rank 1: runs \S+:6 \(in <module>\), not in a collective", text), text
+    assert "--- rank 1 ---" in text and "innermost __init__.py" in text.split("--- rank 1 ---")[1]
+    # the cell went on and finished on both ranks (its output came at its end)
+    assert "finished 0" in after and "finished 1" in after, after
+    assert took < 30, took       # a hang guard only: gathering itself stops at 2 s
+    assert not wait_no_pool_processes(5.0)

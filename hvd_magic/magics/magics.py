@@ -104,7 +104,8 @@ class HvdMagics(Magics):
         line``; the cell's value shows per rank; ``--out NAME`` stores ``{rank: value}``.
 
         %hvd status | stop | restart [-np N] | push NAME... [--ranks R,..] |
-        pull NAME [--rank R] | start [-np N]: manage the pool and move variables.
+        pull NAME [--rank R] | start [-np N] | stacks: manage the pool, move variables,
+        see where each rank is (``stacks``).
         """
         if line.split()[:1] == ["scale"]:
             return self._scale(line, cell)
@@ -158,6 +159,14 @@ class HvdMagics(Magics):
         if isinstance(info, dict) and info:
             print(f"  slurm: job {info['job_id']} on {', '.join(info['nodes'])}"
                   + ("" if info["owned"] else " (the job this kernel runs in)"))
+
+    def _cmd_stacks(self, _req: Any) -> None:
+        """Every rank's Python stack, grouped, the user's code first: the ranks answer a
+        signal, so this works while a cell runs (which goes on) or a rank holds the GIL;
+        a rank that does not answer within 2 s is named."""
+        pool = self._require_pool()
+        from ..stacks.group import render
+        print(render(pool.stacks(), title="hvd: the stacks"))
 
     def _cmd_profiles(self, _req: Any) -> None:
         import os

@@ -175,6 +175,11 @@ def connection_info(config: PoolConfig, single: bool) -> Tuple[Dict[str, object]
     return engine, client
 
 
+def stacks_dir(workdir: str) -> str:
+    """The pool's directory of stack files (:mod:`hvd_magic.stacks`), in its private one."""
+    return os.path.join(workdir, "stacks")
+
+
 def plan_pool(config: PoolConfig) -> PoolPlan:
     """Plan the controller and the engines of a pool; raises ValueError/TypeError for a
     request no pool can satisfy (before anything starts)."""
@@ -213,6 +218,8 @@ def plan_pool(config: PoolConfig) -> PoolPlan:
     extra = dict(config.env)
     extra["IPP_CONNECTION_INFO"] = json.dumps(engine_info, sort_keys=True)
     extra["HVD_MAGIC_POOL"] = "1"
+    # where each rank writes its stacks when the notebook asks (%hvd stacks, a stall)
+    extra["HVD_MAGIC_STACKS_DIR"] = stacks_dir(config.workdir)
     oversub = config.oversubscribe if config.oversubscribe is not None else not config.hosts
     engine_cmd = [py, "-m", "hvd_magic.kernel.ranks.engine"]
     if single:

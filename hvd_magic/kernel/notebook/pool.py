@@ -27,7 +27,7 @@ from .cells import CellOutcome, Pump, clean_stale_dirs, engine_lost, ipyparallel
     rank_done, rank_error, rank_futures, short_tmp
 from .output import OutputSink, PoolCellError, PoolCellInterrupted, PoolCellTimeout, PoolError, \
     RankDiedError, RankFailure, n_ranks, ranks_text
-from .plan import HEARTBEAT_MISSES, PoolConfig, PoolPlan, plan_pool
+from .plan import HEARTBEAT_MISSES, PoolConfig, PoolPlan, plan_pool, stacks_dir
 from .settle import settle
 from .procs import descendants, describe_exit, end_job_first, parse_rank_exits, pids_gone, \
     spawn, stop_tree, tail
@@ -91,6 +91,7 @@ class Pool:
         _POOLS.add(self)
         try:
             os.makedirs(os.path.dirname(plan.engine_file), mode=0o700, exist_ok=True)
+            os.makedirs(stacks_dir(workdir), mode=0o700, exist_ok=True)
             for path, info in ((plan.engine_file, plan.engine_info),
                                (plan.client_file, plan.client_info)):
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -498,6 +499,14 @@ class Pool:
                 "start_s": self.started_s, "notes": list(self.plan.notes if self.plan else []),
                 "mpiexec_pid": getattr(self.mpiexec, "pid", None),
                 "controller_pid": getattr(self.controller, "pid", None), "ranks": ranks}
+
+
+    def stacks(self, timeout: float = 2.0) -> List[Any]:
+        """Every rank's stack (:class:`hvd_magic.stacks.group.RankStack` each), asked by a
+        signal the ranks answer even while a cell runs or holds the GIL; the cell goes on.
+        A rank that has not answered after ``timeout`` s is named as such."""
+        from ...stacks import dump
+        return dump.gather(stacks_dir(self.config.workdir), list(range(self.size)), timeout)
 
 
 class _Timeout(Exception):
