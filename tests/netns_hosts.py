@@ -255,7 +255,7 @@ class TwoHosts:
         for ns in self._made:
             _ip("netns", "delete", ns, check=False)
         self._made = []
-        if _link_exists(self.a.veth):        # made, but not yet moved into a namespace
+        if self.a.veth and _link_exists(self.a.veth):   # made, not yet moved into a namespace
             _ip("link", "delete", self.a.veth, check=False)
         if self.dir:
             shutil.rmtree(self.dir, ignore_errors=True)
@@ -320,3 +320,71 @@ class TwoHosts:
 
 def _link_exists(name: str) -> bool:
     return _ip("link", "show", name, check=False).returncode == 0
+
+
+class ManyHosts(TwoHosts):
+    """``n`` hosts (2 to 8) on one switch: a bridge in a namespace of its own
+    (``{prefix}S-{tag}``), each host joined to a port of it by a veth pair, as machines
+    plugged into one switch. Hosts ``{prefix}A-{tag}``, ``{prefix}B-{tag}``, ... get .1, .2,
+    ... of ``subnet``; the agent, :meth:`run`, :meth:`env` and :meth:`destroy` work as for
+    :class:`TwoHosts`. :meth:`shape` limits every host's link, both directions, with ``tbf``.
+    """
+
+    def __init__(self, n: int, tag: Optional[str] = None, subnet: str = SUBNET,
+                 prefix: str = "hvd") -> None:
+        if not 2 <= n <= 8:
+            raise ValueError(f"ManyHosts makes 2 to 8 hosts, not {n}")
+        super().__init__(tag, subnet, prefix)
+        tag = tag or str(os.getpid())
+        base = subnet.split("/")[0].rsplit(".", 1)[0]
+        # the veth pairs are made inside the namespaces: no name in the root namespace
+        self.hosts = tuple(NetnsHost(f"{prefix}{letter}-{tag}", f"{base}.{i + 1}", "")
+                           for i, letter in enumerate("ABCDEFGH"[:n]))
+        self.a, self.b = self.hosts[0], self.hosts[1]
+        self.switch = f"{prefix}S-{tag}"
+
+    def create(self) -> "ManyHosts":
+        self.dir = tempfile.mkdtemp(prefix="hvd-netns-",
+                                    dir="/var/tmp" if os.path.isdir("/var/tmp") else None)
+        self.shared = os.path.join(self.dir, "shared")
+        os.mkdir(self.shared)
+        try:
+            _ip("netns", "add", self.switch)
+            self._made.append(self.switch)
+            _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+            _ip("-n", self.switch, "link", "set", "br0", "up")
+            for i, h in enumerate(self.hosts):
+                _ip("netns", "add", h.ns)
+                self._made.append(h.ns)
+                port = f"port{i}"
+                _ip("link", "add", IFNAME, "netns", h.ns, "type", "veth", "peer", "name", port,
+                    "netns", self.switch)
+                _ip("-n", self.switch, "link", "set", port, "master", "br0")
+                _ip("-n", self.switch, "link", "set", port, "up")
+                _ip("-n", h.ns, "addr", "add", f"{h.ip}/{PREFIX}", "dev", IFNAME)
+                _ip("-n", h.ns, "link", "set", IFNAME, "up")
+                _ip("-n", h.ns, "link", "set", "lo", "up")
+            self.agent_log = os.path.join(self.dir, "agent.log")
+            cases = "\n".join(f"  {h.ip}|{h.ns}) ns={h.ns} ;;" for h in self.hosts)
+            self.agent = os.path.join(self.dir, "agent")
+            with open(self.agent, "w") as fh:
+                fh.write(AGENT.format(log=shlex.quote(self.agent_log), cases=cases,
+                                      keep=shlex.quote(_checkout_under_tmp())))
+            os.chmod(self.agent, 0o755)
+        except BaseException:
+            self.destroy()
+            raise
+        return self
+
+    def shape(self, rate: str, burst: str = "128kb") -> None:
+        """Every host's link limited to ``rate`` (tc's syntax, e.g. ``"1gbit"``) each way:
+        ``tbf`` on the host's end (what it sends) and on its switch port (what it
+        receives). Replaces an earlier shaping."""
+        for i, h in enumerate(self.hosts):
+            for ns, dev in ((h.ns, IFNAME), (self.switch, f"port{i}")):
+                proc = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "replace",
+                                       "dev", dev, "root", "tbf", "rate", rate, "burst", burst,
+                                       "latency", "50ms"], capture_output=True, text=True,
+                                      timeout=20)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"tc tbf on {dev} in {ns} failed: {proc.stderr.strip()}")

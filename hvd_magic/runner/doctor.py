@@ -255,3 +255,8 @@ def render_text(rep: Report) -> str:
     lines.append("  verdict: " + ("ready" if not rep.problems else
                                   f"{len(rep.problems)} problem(s) to fix first"))
     return "\n".join(lines)
+
+
+# The what-if model lives in its own pure module; ``hvd_magic.runner.doctor.predict`` is
+# where users import it from.
+from .whatif import predict  # noqa: E402,F401
