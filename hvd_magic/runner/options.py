@@ -165,6 +165,46 @@ def positive_number(text: str, flag: str) -> float:
     return value
 
 
+def non_negative_number(text: str, flag: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ValueError(f"{flag} {text!r}: give a number >= 0, e.g. {flag} 0")
+    return value
+
+
+def fraction(text: str, flag: str = "--backward-fraction") -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1:
+        raise ValueError(f"{flag} {text!r}: give a share of the step between 0 and 1, e.g. "
+                         f"{flag} 0.5")
+    return value
+
+
+def _fraction_type(text: str) -> float:
+    """argparse ``type`` of a share between 0 and 1."""
+    try:
+        return fraction(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive_float(text: str) -> float:
+    """argparse ``type``: a number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+    return value
+
+
 def hosts(text: str, _flag: str):
     return parse_hosts(text)
 
@@ -190,7 +230,8 @@ def variable(text: str, _flag: str) -> str:
 
 def model_variable(text: str, _flag: str) -> str:
     if not text.isidentifier():
-        raise ValueError(f"--model {text!r}: give the name of a torch model variable")
+        raise ValueError(f"--model {text!r}: give the name of a torch model variable, "
+                         "or a torchvision or Keras applications model (resnet50, ResNet50)")
     return text
 
 
@@ -213,7 +254,8 @@ OPTIONS: Tuple[Option, ...] = (
            check=file_name, group="where"),
     Option(("--slurm",), "slurm",
            "get a Slurm allocation for the ranks (salloc), run in it, release it at the end; "
-           "inside an sbatch/salloc job its allocation is used without this flag", PLACING,
+           "inside an sbatch/salloc job, hvdrun uses its allocation without this flag",
+           PLACING,
            action="store_true", group="where"),
     Option(("--profile",), "profile",
            "a cluster profile (NAME.toml in HVD_MAGIC_PROFILE_DIR or ~/.hvd_magic/profiles): "
@@ -235,10 +277,12 @@ OPTIONS: Tuple[Option, ...] = (
     Option(("--timeline-filename",), "timeline_filename",
            "write a Horovod timeline (HOROVOD_TIMELINE)", (HVDRUN,), metavar="F"),
     Option(("--fusion-threshold-mb",), "fusion_threshold_mb",
-           "tensor fusion buffer in MiB (HOROVOD_FUSION_THRESHOLD, bytes)", (HVDRUN,),
-           metavar="M", type=non_negative(float, "MB")),
+           "tensor fusion buffer in MiB (HOROVOD_FUSION_THRESHOLD, bytes)",
+           (HVDRUN, DOCTOR_CLI, DOCTOR), metavar="M", type=non_negative(float, "MB"),
+           check=non_negative_number),
     Option(("--cycle-time-ms",), "cycle_time_ms", "engine cycle time in ms (HOROVOD_CYCLE_TIME)",
-           (HVDRUN,), metavar="T", type=non_negative(float, "ms")),
+           (HVDRUN, DOCTOR_CLI, DOCTOR), metavar="T", type=non_negative(float, "ms"),
+           check=non_negative_number),
     Option(("--min-np",), "min_np",
            "elastic training (hvd.elastic.run): go on while at least N ranks are left "
            "(starts MPI with fault tolerance, ULFM)", (HVDRUN,) + POOL, metavar="N",
@@ -300,12 +344,48 @@ OPTIONS: Tuple[Option, ...] = (
     Option(("--model-bytes",), "model_bytes",
            "gradient bytes per step, for the scaling forecast", (DOCTOR_CLI, DOCTOR),
            metavar="B", type=float, check=positive_number, group="model"),
-    Option(("--model",), "model", "a torch model variable: its gradient bytes per step",
-           (DOCTOR,), metavar="NAME", check=model_variable, group="model"),
+    Option(("--model",), "model",
+           "its gradient bytes per step: a torch model variable of the notebook, or a "
+           "torchvision or Keras applications model name (resnet50, ResNet50), built without "
+           "weights", (DOCTOR_CLI, DOCTOR), metavar="NAME", check=model_variable,
+           group="model"),
     Option(("--step-time",), "step_time", "seconds of compute per step, for the forecast",
            (DOCTOR_CLI, DOCTOR), metavar="S", type=float, check=positive_number),
     Option(("--json",), "json", "print the report as JSON", (DOCTOR_CLI,),
            action="store_true"),
+    Option(("--what-if",), "what_if",
+           "forecast a cluster that does not exist yet from the numbers given, probing "
+           "nothing: efficiency and images/s at 1, 2, 4, ... ranks, where it bends, the link "
+           "that keeps 0.9 (needs the gradient bytes and --step-time, or --images-per-sec "
+           "with --batch)", (DOCTOR_CLI, DOCTOR), action="store_true"),
+    Option(("--num-hosts",), "num_hosts", "--what-if: hosts (default 2)", (DOCTOR_CLI, DOCTOR),
+           metavar="N", type=positive_int, check=whole_number, needs="what_if"),
+    Option(("--ranks-per-host",), "ranks_per_host", "--what-if: ranks (GPUs) per host "
+           "(default 1)", (DOCTOR_CLI, DOCTOR), metavar="G", type=positive_int,
+           check=whole_number, needs="what_if"),
+    Option(("--link-gbit",), "link_gbit", "--what-if: bandwidth between hosts in Gbit/s "
+           "(default 10)", (DOCTOR_CLI, DOCTOR), metavar="G", type=_positive_float,
+           check=positive_number, needs="what_if"),
+    Option(("--latency-us",), "latency_us", "--what-if: one-way latency between hosts in us "
+           "(default 50)", (DOCTOR_CLI, DOCTOR), metavar="US", type=non_negative(float, "us"),
+           check=non_negative_number, needs="what_if"),
+    Option(("--intra-gbit",), "intra_gbit", "--what-if: bandwidth between the ranks of one "
+           "host in Gbit/s (default 100, PCIe 3.0 x16)", (DOCTOR_CLI, DOCTOR), metavar="G",
+           type=_positive_float, check=positive_number, needs="what_if"),
+    Option(("--images-per-sec",), "images_per_sec", "--what-if: images/s of one rank "
+           "alone, with --batch (instead of --step-time)", (DOCTOR_CLI, DOCTOR), metavar="R",
+           type=_positive_float, check=positive_number, needs="what_if"),
+    Option(("--batch",), "batch", "--what-if: images per rank per step", (DOCTOR_CLI, DOCTOR),
+           metavar="B", type=positive_int, check=whole_number, needs="what_if"),
+    Option(("--fp16",), "fp16", "--what-if: gradients compressed to fp16 (half the bytes)",
+           (DOCTOR_CLI, DOCTOR), action="store_true", needs="what_if"),
+    Option(("--backward-fraction",), "backward_fraction", "--what-if: share of a step the "
+           "backward pass takes, hiding the allreduce (default 0.5; 0: no overlap)",
+           (DOCTOR_CLI, DOCTOR), metavar="F", type=_fraction_type, check=fraction,
+           needs="what_if"),
+    Option(("--hierarchical-allreduce",), "hierarchical_allreduce", "--what-if: reduce "
+           "inside each host, ring across hosts (HOROVOD_HIERARCHICAL_ALLREDUCE=1)",
+           (DOCTOR_CLI, DOCTOR), action="store_true", needs="what_if"),
     Option(("--np", "-np"), "np", "the pool sizes to run the cell at", (SCALE,),
            metavar="1,2,4"),
 )
@@ -329,7 +409,21 @@ def given_without(ns: argparse.Namespace, command: str) -> List[str]:
     """Flags given although the option they go with was not (``--nodes`` without
     ``--slurm``)."""
     return [o.flags_for(command)[0] for o in options_of(command)
-            if o.needs and getattr(ns, o.dest) is not None and not getattr(ns, o.needs)]
+            if o.needs and getattr(ns, o.dest) not in (None, False)
+            and not getattr(ns, o.needs)]
+
+
+def without_message(ns: argparse.Namespace, command: str) -> str:
+    """``"--nodes --time go with --slurm"`` for the flags :func:`given_without` finds, each
+    named with the option it needs; ``""`` when there are none."""
+    needed: Dict[str, List[str]] = {}
+    by_dest = {o.dest: o for o in options_of(command)}
+    for o in options_of(command):
+        if o.needs and getattr(ns, o.dest) not in (None, False) and not getattr(ns, o.needs):
+            needed.setdefault(by_dest[o.needs].flags_for(command)[0], []).append(
+                o.flags_for(command)[0])
+    return "; ".join(f"{' '.join(flags)} go{'es' if len(flags) == 1 else ''} with {need}"
+                     for need, flags in needed.items())
 
 
 # ------------------------------------------------------------------ builders
