@@ -1,0 +1,308 @@
+"""hvd_magic.ray's RayExecutor on a real two-node Ray cluster.
+
+The cluster is made as on two machines: a head node (``ray start --head``) in one network
+namespace and a worker node (``ray start --address``) in another, joined by a veth pair
+(tests/netns_hosts.py). One cluster serves every test of the module; it is stopped by
+killing the processes in its two namespaces (``ray stop`` would end every Ray process on
+the machine, other runs' included). The drivers run in the head's namespace, as a user's
+script would on the head node, and print one ``RESULT <json>`` line for the test to read.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+import netns_hosts
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (make setup installs it)")
+
+from hvd_magic.ray import RayExecutor  # noqa: E402
+
+VENV_BIN = os.path.dirname(sys.executable)
+SUBNET = "10.239.0.0/24"
+PORT = 6390
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    why = netns_hosts.unusable_reason()
+    if why:
+        pytest.skip(why)
+    netns_hosts.clean_stale(("rayA-", "rayB-"))
+    hosts = netns_hosts.TwoHosts(subnet=SUBNET, prefix="ray").create()
+    # Ray's sockets live under its temp dir: a short path of our own (AF_UNIX paths are
+    # limited to 107 bytes), shared by both nodes and removed afterwards
+    temp = tempfile.mkdtemp(prefix="rt", dir="/tmp")
+    env = dict(os.environ, PATH=f"{VENV_BIN}:{os.environ.get('PATH', '')}",
+               RAY_USAGE_STATS_ENABLED="0")
+    common = ["--num-cpus", "1", "--disable-usage-stats", "--temp-dir", temp,
+              "--object-store-memory", str(100 * 2**20), "--include-log-monitor", "false"]
+    try:
+        start_node(hosts, hosts.a, env, ["--head", "--node-ip-address", hosts.a.ip,
+                                         "--port", str(PORT), "--include-dashboard", "false",
+                                         *common])
+        start_node(hosts, hosts.b, env, ["--address", f"{hosts.a.ip}:{PORT}",
+                                         "--node-ip-address", hosts.b.ip, *common])
+        yield hosts, f"{hosts.a.ip}:{PORT}", env
+    finally:
+        hosts.destroy()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def start_node(hosts, host, env, args, tries: int = 3) -> None:
+    """``ray start ARGS`` on ``host``. A node that does not register within Ray's fixed
+    30 s (its processes start slowly on a loaded machine) is killed and started again."""
+    for attempt in range(tries):
+        proc = hosts.run([f"{VENV_BIN}/ray", "start", *args], env=env, timeout=180, host=host)
+        if proc.returncode == 0:
+            return
+        if attempt == tries - 1 or "timed out during startup" not in proc.stderr + proc.stdout:
+            raise AssertionError(f"ray start {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
+        for pid in netns_hosts.netns_pids(host.ns):
+            os.kill(pid, 9)
+        deadline = time.monotonic() + 10
+        while netns_hosts.netns_pids(host.ns) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
+def drive(cluster, script: str, *args: str, timeout: float = 300) -> dict:
+    """Run driver ``script`` on the head node; its RESULT line as a dict."""
+    hosts, address, env = cluster
+    path = os.path.join(hosts.shared, "driver.py")
+    with open(path, "w") as fh:
+        fh.write(script)
+    proc = hosts.run([sys.executable, path, address, hosts.shared, *args], env=env,
+                     timeout=timeout, host=hosts.a)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, (
+        f"driver exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-6000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def ray_workers(cluster) -> list:
+    """The executor's worker processes still running on either node."""
+    hosts = cluster[0]
+    pids = [p for ps in hosts.pids().values() for p in ps]
+    return [d for d in netns_hosts.describe_pids(pids) if "BaseHorovodWorker" in d]
+
+
+TRAIN = r'''
+import json, os, socket, sys
+import ray
+import torch
+
+ray.init(address=sys.argv[1], log_to_driver=False)
+from hvd_magic.ray import RayExecutor
+
+STEPS, BATCH = 5, 8
+
+
+def data(rank):
+    g = torch.Generator().manual_seed(100 + rank)
+    xs = [torch.randn(BATCH, 4, generator=g) for _ in range(STEPS)]
+    return [(x, x.sum(1, keepdim=True)) for x in xs]
+
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 1)
+
+
+def train(size):
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for x, y in data(rank):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        for p in m.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+        opt.step()
+    dist.destroy_process_group()
+    return [p.detach().flatten().tolist() for p in m.parameters()]
+
+
+def reference(size):
+    """One process on the whole batch (both ranks' shards each step)."""
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for shards in zip(*(data(r) for r in range(size))):
+        x = torch.cat([s[0] for s in shards]); y = torch.cat([s[1] for s in shards])
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        opt.step()
+    return [p.detach().flatten().tolist() for p in m.parameters()]
+
+
+def where():
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+            "MASTER_ADDR", "MASTER_PORT")
+    return dict({k: os.environ.get(k) for k in keys}, hostname=socket.gethostname(),
+                ip=ray.util.get_node_ip_address())
+
+
+class Counter:
+    def __init__(self, start):
+        self.n = start
+
+    def bump(self):
+        self.n += 1
+        return self.n
+
+
+out = {"nodes": sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])}
+settings = RayExecutor.create_settings(timeout_s=120, nics={"hvd0"})
+ex = RayExecutor(settings, num_workers=2, num_hosts=2)
+ex.start(executable_cls=Counter, executable_args=[10])
+out["where"] = ex.run(where)
+out["execute"] = ex.execute(lambda c: c.bump())
+out["execute_single"] = ex.execute_single(lambda c: c.bump())
+out["run_remote"] = ray.get(ex.run_remote(lambda a, b: a + b, args=[2], kwargs={"b": 3}))
+out["weights"] = ex.run(train, args=[2])
+out["reference"] = reference(2)
+pg = ex.placement_group
+ex.shutdown()
+out["pg_state"] = ray.util.placement_group_table(pg)["state"]
+print("RESULT " + json.dumps(out), flush=True)
+'''
+
+
+def test_two_nodes_one_worker_each_train_to_equal_weights(cluster):
+    hosts = cluster[0]
+    out = drive(cluster, TRAIN)
+    assert out["nodes"] == [hosts.a.ip, hosts.b.ip]
+    where = out["where"]
+    # one worker per node, ranks 0 and 1, each the only rank of its node
+    assert sorted(w["ip"] for w in where) == [hosts.a.ip, hosts.b.ip]
+    assert {w["hostname"] for w in where} == {hosts.a.ns, hosts.b.ns}
+    assert [w["RANK"] for w in where] == ["0", "1"]
+    assert [w["GROUP_RANK"] for w in where] == ["0", "1"]
+    assert all(w["WORLD_SIZE"] == "2" and w["LOCAL_RANK"] == "0"
+               and w["LOCAL_WORLD_SIZE"] == "1" for w in where)
+    # rank 0's node is the rendezvous, the same for both
+    assert {w["MASTER_ADDR"] for w in where} == {where[0]["ip"]}
+    assert len({w["MASTER_PORT"] for w in where}) == 1
+    # executable_cls lives in each worker and keeps its state between calls
+    assert out["execute"] == [11, 11]
+    assert out["execute_single"] == 12
+    assert out["run_remote"] == [5, 5]
+    w0, w1 = out["weights"]
+    assert w0 == w1
+    for got, want in zip(w0, out["reference"]):
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert out["pg_state"] == "REMOVED"
+    assert _gone(cluster)
+
+
+def _gone(cluster, wait: float = 10.0) -> bool:
+    """True once no executor worker process runs on either node (within ``wait`` s)."""
+    deadline = time.monotonic() + wait
+    while ray_workers(cluster):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"workers left behind: {ray_workers(cluster)}")
+        time.sleep(0.2)
+    return True
+
+
+KILL = r'''
+import json, os, signal, sys, threading, time
+import ray
+
+ray.init(address=sys.argv[1], log_to_driver=False)
+from hvd_magic.ray import RayExecutor, RayWorkerError
+
+shared = sys.argv[2]
+ex = RayExecutor(RayExecutor.create_settings(timeout_s=120, nics={"hvd0"}), num_workers=2,
+                 num_hosts=2)
+ex.start()
+pids = ex.run(os.getpid)
+
+
+def loop(shared):
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    t = torch.ones(1000)
+    open(os.path.join(shared, f"ready-{dist.get_rank()}"), "w").close()
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        dist.all_reduce(t)
+        t /= 2
+    return "the loop ended without an error"
+
+
+killed = {}
+
+
+def kill_rank_1():
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not all(
+            os.path.exists(os.path.join(shared, f"ready-{r}")) for r in (0, 1)):
+        time.sleep(0.05)
+    time.sleep(0.5)
+    killed["at"] = time.monotonic()
+    os.kill(pids[1], signal.SIGKILL)
+
+
+threading.Thread(target=kill_rank_1, daemon=True).start()
+out = {"pids": pids, "nodes": [n["ip"] for n in ex.nodes]}
+pg = ex.placement_group
+try:
+    out["returned"] = ex.run(loop, args=[shared])
+except RayWorkerError as exc:
+    out.update(took=time.monotonic() - killed["at"], error=str(exc), rank=exc.rank,
+               node=exc.node)
+try:
+    ex.run(os.getpid)
+except RuntimeError as exc:
+    out["after"] = str(exc)
+out["pg_state"] = ray.util.placement_group_table(pg)["state"]
+print("RESULT " + json.dumps(out), flush=True)
+'''
+
+
+def test_a_killed_worker_ends_run_naming_its_rank_and_node(cluster):
+    out = drive(cluster, KILL)
+    assert "returned" not in out, out
+    assert out["rank"] == 1 and out["node"] == out["nodes"][1]
+    assert out["error"].startswith(f"rank 1 (on node {out['nodes'][1]}) died"), out["error"]
+    assert out["took"] < 5, out
+    # the surviving rank, stuck in its allreduce, was stopped too; nothing is left
+    assert out["pg_state"] == "REMOVED"
+    assert "call start() again" in out["after"]
+    assert _gone(cluster)
+
+
+def test_arguments_are_checked_before_anything_starts():
+    settings = RayExecutor.create_settings(timeout_s=5)
+    assert settings.timeout_s == 5 and settings.placement_group_timeout_s == 100
+    with pytest.raises(ValueError, match="use_gpu"):
+        RayExecutor(settings, num_workers=2, gpus_per_worker=1)
+    with pytest.raises(ValueError, match="num_workers=3 does not match num_hosts=2"):
+        RayExecutor(settings, num_workers=3, num_hosts=2)
+    with pytest.raises(ValueError, match="num_workers .*or num_hosts"):
+        RayExecutor(settings)
+    with pytest.raises(ValueError, match="hvdrun --min-np"):
+        RayExecutor(settings, min_workers=1, max_workers=2)
+    with pytest.raises(RuntimeError, match="call start"):
+        RayExecutor(settings, num_workers=2).run(os.getpid)
+
+
+def test_module_paths_are_horovods():
+    import hvd_magic.ray
+    import hvd_magic.ray.runner
+    assert hvd_magic.ray.RayExecutor is hvd_magic.ray.runner.RayExecutor
+    # nothing else in hvd_magic imports the launcher
+    src = os.path.join(os.path.dirname(hvd_magic.ray.__file__), "..")
+    found = subprocess.run(["grep", "-rlE", r"(from|import) (hvd_magic\.ray|\.+ray)\b",
+                            "--include=*.py", src], capture_output=True, text=True).stdout
+    assert [f for f in found.split() if "/ray/" not in f] == []
