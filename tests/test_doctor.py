@@ -120,7 +120,7 @@ def test_doctor_command_line_refuses_slurm_options_without_slurm(capsys):
     declaration, and its checks: --partition without --slurm is a usage error (exit 2),
     before any probe starts."""
     from hvd_magic.runner import doctor_run
-    for argv, words in ((["--partition", "gpu"], "--partition go with --slurm"),
+    for argv, words in ((["--partition", "gpu"], "with --slurm"),
                         (["-np", "0"], "need at least 1 rank"),
                         (["-H", "a:1", "--slurm"], "not allowed with")):
         with pytest.raises(SystemExit) as info:
