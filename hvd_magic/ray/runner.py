@@ -63,7 +63,8 @@ class MiniSettings:
     """The settings :meth:`RayExecutor.create_settings` makes (Horovod's names).
 
     ``timeout_s`` bounds the workers' start and their rendezvous (it is
-    ``HOROVOD_GLOO_TIMEOUT_SECONDS`` in the workers); ``placement_group_timeout_s`` bounds
+    ``HVD_MAGIC_TORCH_INIT_TIMEOUT`` in the workers: how long the process group may
+    take to form); ``placement_group_timeout_s`` bounds
     the wait for the cluster to place the workers; ``nics`` (a set of interface names)
     become ``GLOO_SOCKET_IFNAME``. The ssh fields are kept for Horovod's signature: Ray
     starts the workers, so nothing here uses ssh.
@@ -223,7 +224,7 @@ class RayExecutor:
         common = {"WORLD_SIZE": self.num_workers, "ROLE_WORLD_SIZE": self.num_workers,
                   "GROUP_WORLD_SIZE": len(by_node), "MASTER_ADDR": master_addr,
                   "MASTER_PORT": master_port,
-                  "HOROVOD_GLOO_TIMEOUT_SECONDS": self.settings.timeout_s}
+                  "HVD_MAGIC_TORCH_INIT_TIMEOUT": self.settings.timeout_s}
         if self.settings.nics:
             common["GLOO_SOCKET_IFNAME"] = ",".join(sorted(self.settings.nics))
         calls = []
