@@ -194,6 +194,20 @@ def test_errors_fail_once_naming_ranks(ip, capsys):
     capsys.readouterr()
 
 
+def test_scale_shows_a_table_and_returns_the_points_not_a_list(ip, capsys):
+    from hvd_magic.widgets.scaling import ScaleResult
+    capsys.readouterr()
+    res = ip.run_cell("%%hvd scale --np 2\nimport hvd_magic, time\n"
+                      "for _ in range(30):\n    time.sleep(0.01); hvd_magic.report(samples=8)")
+    assert res.success, res.error_in_exec
+    points = res.result
+    assert isinstance(points, ScaleResult) and [p.np for p in points] == [2]
+    assert points[0].total and points[0].total > 0
+    out = capsys.readouterr().out
+    assert "ranks   samples/s" in out and "efficiency" in out, out
+    assert "ScalePoint(" not in out and "[ScalePoint" not in repr(points), out
+
+
 def test_push_pull_status_autohvd(ip, capsys):
     ip.user_ns["lr"] = 0.5
     ip.run_line_magic("hvd", "push lr")

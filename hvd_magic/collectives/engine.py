@@ -106,6 +106,7 @@ class Engine:
         self.wire = SlotExchange(comm, SLOT)
         self.stall = StallCheck(config.stall_check_s, config.stall_shutdown_s, self.me, self.where,
                                 self.rank == 0, ranks or range(self.size))
+        self.sites: dict = {}        # tensor name -> "file:line" of the user's code
         if set_id == 0:
             stack_dump.install(self.rank)   # answer SIGUSR2 with every thread's stack
         self._next_tick = 0.0
@@ -152,6 +153,11 @@ class Engine:
             # CUDA tensors: NCCL's streams and the current device are set up on the engine
             # thread; from now on every cycle runs there.
             self.inline = False
+        if ann.name not in self.sites and ".noname." not in ann.name:
+            # where the user's code first submitted this name, for the stall report (once
+            # per name: a training loop's names repeat; unnamed calls wait where they are)
+            if len(self.sites) < stack_dump.SITES_CAP:
+                self.sites[ann.name] = stack_dump.submit_site()
         self._new.append(req)
         if urgent:
             self._urgent = True
@@ -627,6 +633,8 @@ class Engine:
                 if r.t_submit < late and slot not in self._demoted:
                     self._demoted.add(slot)
                     self._invalid.append(slot)
+        if self.set_id == 0:
+            sc.note_submitted(now, list(self.inflight.values()), self.sites)
         since = self._in_cycle_since
         stuck = sc.stuck(now, since)
         if sc.warn_due(now, stuck):

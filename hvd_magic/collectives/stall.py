@@ -30,6 +30,7 @@ class StallCheck:
         self.ranks = list(ranks)
         self.last_warn = 0.0
         self.reported: frozenset = frozenset()   # the stalled tensors stacks were shown for
+        self.noted: tuple = ()                   # this rank's waiting requests, as written
         limits = [x for x in (check_s, shutdown_s) if x > 0]
         self.first = min(limits) if limits else 0.0
         # how often an idle engine thread wakes up to check (None: never)
@@ -63,6 +64,18 @@ class StallCheck:
             self.reported = names
             threading.Thread(target=self.write_stacks, name="hvd_magic-stacks",
                              daemon=True).start()
+
+    def note_submitted(self, now: float, mine: Iterable, sites: dict) -> None:
+        """Write down this rank's requests that waited half the check time, and where the
+        user's code submitted them, for the stall report of whichever rank warns."""
+        if self.check <= 0:
+            return
+        lines = tuple(f"{r.ann.kind} '{r.ann.name}' at {sites[r.ann.name]}" for r in mine
+                      if r.ann.name in sites and now - r.t_submit >= self.check / 2)
+        if lines != self.noted:
+            self.noted = lines
+            from ..stacks import dump
+            dump.write_submitted(self.rank, lines)
 
     def write_stacks(self) -> None:
         """Gather every rank's stack and write them to stderr under the warning."""

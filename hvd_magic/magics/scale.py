@@ -6,16 +6,14 @@ import time
 from typing import Any, Callable, List, Optional, Sequence
 
 from ..widgets.model import fmt_rate
-from ..widgets.scaling import ScalePoint, parse_np_list, scale_rows, show_scaling
+from ..widgets.scaling import ScalePoint, ScaleResult, parse_np_list, scale_rows
 
 
-def scale(manager: Any, code: str, nps: Any) -> List[ScalePoint]:
-    """Run ``code`` at each pool size of ``nps`` (``"1,2,4"`` or a list), show the plot and
-    table, return the points."""
+def scale(manager: Any, code: str, nps: Any) -> ScaleResult:
+    """Run ``code`` at each pool size of ``nps`` (``"1,2,4"`` or a list); return the points,
+    which the cell shows as the table and the plot."""
     sizes = parse_np_list(nps) if isinstance(nps, str) else sorted(set(nps))
-    points = run_scaling(manager, code, sizes, progress=print)
-    show_scaling(points)
-    return points
+    return ScaleResult(run_scaling(manager, code, sizes, progress=print))
 
 
 def run_scaling(manager: Any, code: str, nps: Sequence[int],

@@ -16,13 +16,17 @@ import os
 import re
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
 from typing import Dict, List, Optional, Sequence
 
 from .. import config
-from .group import RankStack, parse
+from .group import RankStack, is_user_file, parse
+
+#: At most this many tensor names keep the line that first submitted them.
+SITES_CAP = 4096
 
 #: The signal a rank answers with its stacks (Open MPI's mpiexec forwards it to the ranks).
 SIGNAL = signal.SIGUSR2
@@ -82,6 +86,43 @@ def install(rank: int) -> Optional[str]:
     except OSError:
         return None
     return path
+
+
+def submit_site(depth: int = 2) -> str:
+    """``file:line`` of the innermost frame of the user's code that called into hvd_magic
+    (``depth`` frames above this call; a gradient hook's caller is ``loss.backward()``)."""
+    f = sys._getframe(depth)
+    while f is not None and not is_user_file(f.f_code.co_filename):
+        f = f.f_back
+    return f"{f.f_code.co_filename}:{f.f_lineno}" if f is not None else "?"
+
+
+def write_submitted(rank: int, lines: Sequence[str]) -> None:
+    """Record what this rank waits for and where its code submitted it (``lines``, empty:
+    nothing): read by :func:`gather` beside the stack."""
+    d = _state.get("path") and os.path.dirname(str(_state["path"]))
+    if not d:
+        return
+    path = os.path.join(d, f"{rank}.submitted")
+    try:
+        if not lines:
+            if os.path.exists(path):
+                os.unlink(path)
+            return
+        tmp = f"{path}.{os.getpid()}"
+        with open(tmp, "w") as fh:
+            fh.write("".join(line + "\n" for line in lines))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def _submitted(d: str, rank: int) -> list:
+    try:
+        with open(os.path.join(d, f"{rank}.submitted")) as fh:
+            return [line.rstrip("\n") for line in fh if line.strip()]
+    except OSError:
+        return []
 
 
 def _stderr():
@@ -157,6 +198,8 @@ def gather(d: Optional[str], ranks: Sequence[int], timeout: float = TIMEOUT,
         if not asked or now > deadline:
             break
         time.sleep(0.02)
+    for r in ranks:
+        out[r].submitted = _submitted(d, r)
     for r, (path, offset) in asked.items():
         if r in grown:     # it answered, the last lines may still come: take what is there
             with open(path, "rb") as fh:

@@ -37,6 +37,13 @@ def _library_roots() -> Tuple[str, ...]:
 _ROOTS = _library_roots()
 
 
+def is_user_file(path: str) -> bool:
+    """The user's own code: not hvd_magic, not an installed library, not the stdlib."""
+    if path.startswith("<frozen ") or "/site-packages/" in path or "/dist-packages/" in path:
+        return False
+    return not path.startswith(_ROOTS)
+
+
 @dataclass(frozen=True)
 class Frame:
     file: str
@@ -45,11 +52,7 @@ class Frame:
 
     @property
     def user(self) -> bool:
-        """The user's own code: not hvd_magic, not an installed library, not the stdlib."""
-        f = self.file
-        if f.startswith("<frozen ") or "/site-packages/" in f or "/dist-packages/" in f:
-            return False
-        return not f.startswith(_ROOTS)
+        return is_user_file(self.file)
 
     def where(self) -> str:
         return f"{self.file}:{self.line}"
@@ -107,6 +110,7 @@ class RankStack:
     threads: Optional[List[Thread]] = None
     main_ident: int = 0                      # the main thread's ident (0: unknown)
     missing: str = ""                        # why no stack came (when threads is None)
+    submitted: List[str] = field(default_factory=list)   # "allreduce 'x' at f.py:3", waiting
 
     def user_threads(self) -> List[Thread]:
         """Threads running user code, the main thread first."""
@@ -118,7 +122,14 @@ class RankStack:
         return tuple((t.ident == self.main_ident, tuple(t.frames)) for t in self.user_threads())
 
     def summary(self) -> str:
-        """Where this rank is in the user's code, in one line."""
+        """Where this rank is in the user's code, in one line, then where it submitted the
+        collectives it waits for (when it said so)."""
+        line = self._where()
+        if self.submitted:
+            line += "; it submitted " + ", ".join(self.submitted)
+        return line
+
+    def _where(self) -> str:
         if self.threads is None:
             return f"rank {self.rank}: {self.missing}"
         for t in self.user_threads():

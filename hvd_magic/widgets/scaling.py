@@ -1,8 +1,9 @@
 """``%hvd scale --np 1,2,4``: run one cell at several pool sizes and plot throughput and
 scaling efficiency against ranks, with the ideal (linear) line.
 
-Pure: :func:`parse_np_list`, :func:`scale_rows`, :func:`scale_text`. Drawing:
-:func:`plot_scaling` (bokeh), :func:`show_scaling` (widget or text). Running the cell at
+Pure: :func:`parse_np_list`, :func:`scale_rows`, :func:`scale_text`, :func:`scale_html`.
+Drawing: :func:`plot_scaling` (bokeh), :func:`show_scaling` (widget or text);
+:class:`ScaleResult`, the points ``%%hvd scale`` returns, shows itself with them. Running the cell at
 each size is the magics' (:mod:`hvd_magic.magics.scale`): a view only draws.
 """
 from __future__ import annotations
@@ -88,13 +89,50 @@ def plot_scaling(points: Sequence[ScalePoint]) -> Any:
     return row(f1, f2)
 
 
+def scale_html(points: Sequence[ScalePoint]) -> str:
+    """The table of :func:`scale_text` as HTML."""
+    head = "".join(f"<th>{h}</th>" for h in ("ranks", "samples/s", "ideal", "speedup",
+                                             "efficiency", "communication"))
+    body = []
+    for r in scale_rows(points):
+        sp = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+        cells = (str(r["np"]), fmt_rate(r["total"]), fmt_rate(r["ideal"]), sp,
+                 fmt_pct(r["efficiency"]), fmt_pct(r["comm"]))
+        body.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    return (f'<table class="hvd-scale"><thead><tr>{head}</tr></thead>'
+            f"<tbody>{''.join(body)}</tbody></table>")
+
+
+class ScaleResult(list):
+    """What ``%%hvd scale`` returns: its :class:`ScalePoint` s, smallest pool first (a list:
+    ``points = _; points[0].total``). As a cell's value it shows as the table and the plot,
+    not as a list."""
+
+    def rows(self) -> List[Dict[str, Any]]:
+        return scale_rows(self)
+
+    def __repr__(self) -> str:
+        return scale_text(self)
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(scale_text(self))
+
+    def _repr_html_(self) -> str:
+        return scale_html(self)
+
+    def _ipython_display_(self) -> None:
+        show_scaling(self)
+
+
 def show_scaling(points: Sequence[ScalePoint]) -> None:
-    """Display the plot (Jupyter with bokeh) and the table."""
+    """Display the table and, in Jupyter with bokeh, the plot; elsewhere print the table."""
     from .sink import widgets_available
-    print(scale_text(points))
-    if widgets_available():
-        from IPython.display import display
-        from jupyter_bokeh import BokehModel
-        from .panel import load_bokeh
-        load_bokeh()
-        display(BokehModel(plot_scaling(points)))
+    if not widgets_available():
+        print(scale_text(points))
+        return
+    from IPython.display import HTML, display
+    from jupyter_bokeh import BokehModel
+    from .panel import load_bokeh
+    load_bokeh()
+    display(HTML(scale_html(points)))
+    display(BokehModel(plot_scaling(points)))

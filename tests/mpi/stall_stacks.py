@@ -1,7 +1,7 @@
 """Ranks that wait on different collectives, or that compute in C holding the GIL.
 
-``mismatch``: rank 0 waits in allreduce 'grad.weight' while rank 1 waits in allreduce
-'grad.bias'. The stall check (HOROVOD_STALL_CHECK_TIME_SECONDS, short in the test) must show
+``mismatch``: rank 0 waits for allreduce 'grad.weight' (submitted asynchronously one line
+before) while rank 1 waits in allreduce 'grad.bias'. The stall check (HOROVOD_STALL_CHECK_TIME_SECONDS, short in the test) must show
 where each rank waits and both stacks; the stall shutdown
 (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS) then ends both calls with StallError.
 
@@ -39,7 +39,8 @@ if mode in ("mismatch", "usr1"):
     print(f"READY {r}", flush=True)
     try:
         if r == 0:
-            hvd.allreduce(x, name="grad.weight")          # WAIT-WEIGHT
+            h = hvd.allreduce_async(x, name="grad.weight")    # SUBMIT-WEIGHT
+            hvd.synchronize(h)                            # WAIT-WEIGHT
         else:
             hvd.allreduce(x, name="grad.bias")            # WAIT-BIAS
     except (hvd.StallError, hvd.ShutdownError):   # the stall shutdown ends both
