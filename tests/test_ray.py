@@ -94,7 +94,7 @@ def ray_workers(cluster) -> list:
 
 
 TRAIN = r'''
-import json, os, socket, sys
+import importlib.util, json, os, socket, sys
 import ray
 import torch
 
@@ -115,21 +115,20 @@ def model():
     return torch.nn.Linear(4, 1)
 
 
-def train(size):
-    import torch.distributed as dist
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+def train():
+    import hvd_magic.torch as hvd
+    hvd.init()
     m = model()
-    opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    for x, y in data(rank):
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                   named_parameters=m.named_parameters())
+    hvd.broadcast_parameters(m.state_dict(), root_rank=0)
+    for x, y in data(hvd.rank()):
         opt.zero_grad()
         torch.nn.functional.mse_loss(m(x), y).backward()
-        for p in m.parameters():
-            dist.all_reduce(p.grad)
-            p.grad /= dist.get_world_size()
         opt.step()
-    dist.destroy_process_group()
-    return [p.detach().flatten().tolist() for p in m.parameters()]
+    return {"rank": hvd.rank(), "size": hvd.size(), "local_rank": hvd.local_rank(),
+            "cross_rank": hvd.cross_rank(),
+            "weights": [p.detach().flatten().tolist() for p in m.parameters()]}
 
 
 def reference(size):
@@ -168,8 +167,10 @@ out["where"] = ex.run(where)
 out["execute"] = ex.execute(lambda c: c.bump())
 out["execute_single"] = ex.execute_single(lambda c: c.bump())
 out["run_remote"] = ray.get(ex.run_remote(lambda a, b: a + b, args=[2], kwargs={"b": 3}))
-out["weights"] = ex.run(train, args=[2])
-out["reference"] = reference(2)
+# hvd.init() over torch.distributed: the controller of issue 36 item 1
+if importlib.util.find_spec("hvd_magic.collectives.controller") is not None:
+    out["trained"] = ex.run(train)
+    out["reference"] = reference(2)
 pg = ex.placement_group
 ex.shutdown()
 out["pg_state"] = ray.util.placement_group_table(pg)["state"]
@@ -177,9 +178,14 @@ print("RESULT " + json.dumps(out), flush=True)
 '''
 
 
-def test_two_nodes_one_worker_each_train_to_equal_weights(cluster):
-    hosts = cluster[0]
-    out = drive(cluster, TRAIN)
+@pytest.fixture(scope="module")
+def two_node_job(cluster):
+    """One driver run of TRAIN on the cluster (its RESULT), shared by the tests below."""
+    return drive(cluster, TRAIN)
+
+
+def test_two_nodes_get_one_worker_each_with_torchruns_variables(cluster, two_node_job):
+    hosts, out = cluster[0], two_node_job
     assert out["nodes"] == [hosts.a.ip, hosts.b.ip]
     where = out["where"]
     # one worker per node, ranks 0 and 1, each the only rank of its node
@@ -196,12 +202,22 @@ def test_two_nodes_one_worker_each_train_to_equal_weights(cluster):
     assert out["execute"] == [11, 11]
     assert out["execute_single"] == 12
     assert out["run_remote"] == [5, 5]
-    w0, w1 = out["weights"]
-    assert w0 == w1
-    for got, want in zip(w0, out["reference"]):
-        assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    # shutdown removed the placement group and the workers' processes
     assert out["pg_state"] == "REMOVED"
     assert _gone(cluster)
+
+
+def test_hvd_trains_across_the_two_nodes_to_equal_weights(two_node_job):
+    out = two_node_job
+    if "trained" not in out:
+        pytest.skip("needs the torch.distributed controller (issue 36 item 1)")
+    r0, r1 = out["trained"]
+    assert [(r["rank"], r["size"], r["local_rank"], r["cross_rank"]) for r in (r0, r1)] == \
+        [(0, 2, 0, 0), (1, 2, 0, 1)]
+    assert r0["weights"] == r1["weights"]
+    # hvd.DistributedOptimizer's averaged gradients: one process on both shards
+    for got, want in zip(r0["weights"], out["reference"]):
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
 
 
 def _gone(cluster, wait: float = 10.0) -> bool:
