@@ -377,7 +377,7 @@ for step in range(300):      # the same count on every rank (a time limit would 
     time.sleep(0.003)
     report(samples=32)
 """
-pts = ip.run_cell_magic("hvd", "scale --np 1,2", code)
+pts = ip.run_cell("%%hvd scale --np 1,2\\n" + code).result   # displayed, as a cell's value is
 print("SIZES", [p.np for p in pts], "RATES", all(p.total > 0 for p in pts))
 ip.run_line_magic("hvd", "stop")
 ''')
