@@ -106,6 +106,71 @@ def test_bad_inputs_say_what_to_give(bad, what):
         predict(**args)
 
 
+# ---------------------------------------------------------------- the command line and %hvd
+
+WHAT_IF = ["--what-if", "--num-hosts", "4", "--ranks-per-host", "2", "--link-gbit", "1",
+           "--latency-us", "30", "--model-bytes", "25e6", "--images-per-sec", "200",
+           "--batch", "32", "--backward-fraction", "0.25"]
+
+
+def test_what_if_command_line_agrees_with_predict():
+    import json
+    import subprocess
+    run = [sys.executable, "-m", "hvd_magic.runner.doctor_run"]
+    proc = subprocess.run(run + WHAT_IF + ["--json"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(proc.stdout)
+    assert [p["ranks"] for p in rep["points"]] == [1, 2, 4, 8]
+    want = predict(4, 2, 1, 30, 25e6, 32 / 200, backward_fraction=0.25)
+    assert rep["points"][-1]["efficiency"] == pytest.approx(want)
+    assert rep["points"][-1]["images_per_s"] == pytest.approx(8 * 200 * want)
+    text = subprocess.run(run + WHAT_IF, capture_output=True, text=True, timeout=120).stdout
+    assert f"{want:.3f}" in text.splitlines()[-4] and "bends: at 4 ranks" in text, text
+    bad = subprocess.run(run + ["--fp16"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--fp16 goes with --what-if" in bad.stderr
+    bad = subprocess.run(run + ["--what-if", "--model-bytes", "1e6"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "--step-time S, or --images-per-sec R with --batch B" in \
+        bad.stderr
+
+
+def test_what_if_line_args():
+    from hvd_magic.magics.args import HvdUsageError, parse_line_args
+    req = parse_line_args("doctor " + " ".join(WHAT_IF) + " --fp16 --fusion-threshold-mb 32")
+    d = req.doctor
+    assert d["what_if"] and d["num_hosts"] == 4 and d["ranks_per_host"] == 2
+    assert d["link_gbit"] == 1 and d["backward_fraction"] == 0.25 and d["fp16"]
+    assert d["fusion_threshold_mb"] == 32
+    sc = W.scenario_from(d, d["model_bytes"])
+    assert sc.fusion == 32 * 2**20 and sc.step_time_s == pytest.approx(0.16)
+    for bad, why in (("doctor --fp16", "--fp16 goes with --what-if"),
+                     ("doctor --what-if --backward-fraction 2", "between 0 and 1"),
+                     ("doctor --what-if --num-hosts 0", "--num-hosts '0'")):
+        with pytest.raises(HvdUsageError, match=why):
+            parse_line_args(bad)
+
+
+def test_what_if_magic_counts_a_notebook_model(capsys):
+    torch = pytest.importorskip("torch")
+    from IPython.testing.globalipapp import get_ipython, start_ipython
+    ip = start_ipython() or get_ipython()
+    ip.run_line_magic("load_ext", "hvd_magic")
+    try:
+        ip.user_ns["net"] = torch.nn.Linear(1000, 500)        # 2.002 MB of gradients
+        res = ip.run_cell("%hvd doctor --what-if --num-hosts 2 --link-gbit 1 --model net "
+                          "--step-time 0.05 --backward-fraction 0")
+        assert res.success, res.error_in_exec
+        out = capsys.readouterr().out
+        want = predict(2, 1, 1, 50, 2_002_000, 0.05, backward_fraction=0)
+        assert "2.00 MB of gradients" in out and f"{want:.3f}" in out, out
+        res = ip.run_cell("%hvd doctor --what-if --model NoSuchNet --step-time 1")
+        assert type(res.error_in_exec).__name__ == "UsageError"
+        assert "no such model" in str(res.error_in_exec)
+    finally:
+        ip.run_line_magic("unload_ext", "hvd_magic")
+
+
 # ---------------------------------------------------------------- models by name
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..runner.options import CELL, DOCTOR, SCALE, SLURM_OPTIONS, START, \
-    SUBCOMMANDS as COMMANDS, Command, add_options, convert, given_without, options_of, \
+    SUBCOMMANDS as COMMANDS, Command, add_options, convert, options_of, without_message, \
     usage_words
 from ..runner.plan import Host
 
@@ -81,10 +81,11 @@ def _parse(command: str, words: List[str], usage: str, names: bool = False,
     if names:
         p.add_argument("names", nargs="*")
     ns, rest = p.parse_known_args(words) if known else (p.parse_args(words), [])
-    given = given_without(ns, command)
+    given = without_message(ns, command)
     if given:
-        raise HvdUsageError(f"{' '.join(given)} go with --slurm, e.g. %%hvd -np 8 --slurm "
-                            "--partition gpu --time 1:00:00")
+        example = (", e.g. %%hvd -np 8 --slurm --partition gpu --time 1:00:00"
+                   if given.endswith("--slurm") else "")
+        raise HvdUsageError(given + example)
     try:
         values = convert(ns, command)
     except ValueError as exc:

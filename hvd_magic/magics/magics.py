@@ -250,19 +250,37 @@ class HvdMagics(Magics):
 
     def _cmd_doctor(self, req: Any) -> Any:
         """``%hvd doctor ...``: a pre-flight check of the pool these arguments would start."""
-        from ..runner.doctor_run import run_doctor
-        from ..widgets.doctor import show_report
+        from ..runner.doctor_run import run_doctor, run_what_if
+        from ..widgets.doctor import show_report, show_what_if
         model_bytes = req.doctor.get("model_bytes")
         model_name = req.doctor.get("model")
-        if model_name is not None:
+        tensors = None
+        if model_name is not None and (model_name in self.shell.user_ns
+                                       or not req.doctor.get("what_if")):
             if model_name not in self.shell.user_ns:
                 raise UsageError(f"%hvd doctor --model {model_name}: no such variable in this "
-                                 "notebook; give a torch model's name or --model-bytes B")
+                                 "notebook; give a torch model's name or --model-bytes B "
+                                 "(with --what-if, also a torchvision or Keras model name)")
             from ..runner.doctor import gradient_bytes
+            model = self.shell.user_ns[model_name]
             try:
-                model_bytes = gradient_bytes(self.shell.user_ns[model_name])
+                model_bytes = gradient_bytes(model)
             except (TypeError, ValueError) as exc:
                 raise _usage(exc) from None
+            tensors = sum(1 for p in model.parameters() if p.requires_grad)
+        if req.doctor.get("what_if"):
+            # a cluster that does not exist yet: nothing is probed, no pool starts
+            try:
+                forecast = run_what_if(req.doctor, model_bytes, tensors)
+            except ValueError as exc:
+                raise _usage(exc) from None
+            show_what_if(forecast)
+            return None
+        for flag, dest in (("--fusion-threshold-mb", "fusion_threshold_mb"),
+                           ("--cycle-time-ms", "cycle_time_ms")):
+            if req.doctor.get(dest) is not None:
+                raise UsageError(f"%hvd doctor {flag} goes with --what-if (the probe runs "
+                                 "with the pool's own settings)")
         try:
             profile = getattr(req.pool, "profile", None)
             np = req.pool.np or (None if profile else self.manager.default_np())

@@ -4,6 +4,8 @@ hand it to :func:`.doctor.analyse`. Also a command line::
     python -m hvd_magic.runner.doctor_run -np 2 -H a:1,b:1 [--network-interface eth0]
         [--model-bytes 2e6 --step-time 0.05] [--json]
     python -m hvd_magic.runner.doctor_run --profile NAME | --slurm [--nodes 2 ...]
+    python -m hvd_magic.runner.doctor_run --what-if --num-hosts 4 --ranks-per-host 8
+        --link-gbit 25 --model ResNet50 --images-per-sec 400 --batch 64 [--json]
 
 A Slurm pool or a profile's goes through ``hvdrun`` itself (allocation, set-up lines).
 """
@@ -12,12 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .doctor import Report, analyse, failed_report, render_text
 from .doctor_probe import PREFIX
-from .options import DOCTOR_CLI, SLURM_OPTIONS, add_options, given_without
+from .options import DOCTOR_CLI, SLURM_OPTIONS, add_options, without_message
 from .plan import Host, LaunchArgs, is_single_host, parse_hosts
+from .whatif import WhatIfReport, as_dict, render as render_what_if, scenario_from, what_if
 
 #: Seconds the probe may take before the doctor gives up (unreachable hosts hang ssh).
 TIMEOUT_S = 90.0
@@ -111,16 +114,56 @@ def run_doctor(np: Optional[int], hosts: Optional[Sequence[Host]] = None,
     return analyse(record, model_bytes, step_time)
 
 
+def named_model(name: str) -> Tuple[float, int]:
+    """``--model NAME`` outside a notebook: (gradient bytes, tensors) of the torchvision or
+    Keras applications model of that name, built without weights."""
+    from .model_size import model_bytes
+    nbytes, tensors, _lib = model_bytes(name)
+    return nbytes, tensors
+
+
+def run_what_if(options: Mapping[str, Any], model_bytes: Optional[float] = None,
+                tensors: Optional[int] = None) -> WhatIfReport:
+    """``--what-if``: the forecast of the cluster ``options`` describe. ``model_bytes``
+    None: from ``options["model_bytes"]``, else built from ``options["model"]``'s name.
+    Raises ValueError saying what is missing or wrong."""
+    if model_bytes is None:
+        model_bytes = options.get("model_bytes")
+    if model_bytes is None and options.get("model"):
+        model_bytes, tensors = named_model(options["model"])
+    if model_bytes is None:
+        raise ValueError("what-if: give the gradient bytes per step: --model-bytes B or "
+                         "--model NAME")
+    return what_if(scenario_from(options, model_bytes, tensors))
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog=DOCTOR_CLI,
                                 description="pre-flight check of a pool (see docs/doctor.md)")
     add_options(p, DOCTOR_CLI)
     ns = p.parse_args(argv)
-    if given_without(ns, DOCTOR_CLI):
-        p.error(f"{' '.join(given_without(ns, DOCTOR_CLI))} go with --slurm")
+    if without_message(ns, DOCTOR_CLI):
+        p.error(without_message(ns, DOCTOR_CLI))
+    if ns.what_if:
+        try:
+            forecast = run_what_if(vars(ns))
+        except ValueError as exc:
+            p.error(str(exc))
+        print(json.dumps(as_dict(forecast)) if ns.json else render_what_if(forecast))
+        return 0
+    for flag, dest in (("--fusion-threshold-mb", "fusion_threshold_mb"),
+                       ("--cycle-time-ms", "cycle_time_ms")):
+        if getattr(ns, dest) is not None:
+            p.error(f"{flag} goes with --what-if (the probe runs with the pool's own settings)")
+    model_bytes = ns.model_bytes
+    if ns.model is not None:
+        try:
+            model_bytes = named_model(ns.model)[0]
+        except ValueError as exc:
+            p.error(str(exc))
     slurm = {k: getattr(ns, k) for k in SLURM_OPTIONS} if ns.slurm else None
     rep = run_doctor(ns.np, parse_hosts(ns.hosts) if ns.hosts else None, ns.hostfile,
-                     model_bytes=ns.model_bytes, step_time=ns.step_time,
+                     model_bytes=model_bytes, step_time=ns.step_time,
                      network_interface=ns.network_interface, slurm=slurm,
                      profile=ns.profile)
     if ns.json:

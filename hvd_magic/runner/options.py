@@ -384,7 +384,7 @@ OPTIONS: Tuple[Option, ...] = (
            (DOCTOR_CLI, DOCTOR), metavar="F", type=_fraction_type, check=fraction,
            needs="what_if"),
     Option(("--hierarchical-allreduce",), "hierarchical_allreduce", "--what-if: reduce "
-           "inside each host, ring across hosts (HOROVOD_HIERARCHICAL_ALLREDUCE=1)",
+           "inside each host, ring across hosts (Horovod's hierarchical allreduce)",
            (DOCTOR_CLI, DOCTOR), action="store_true", needs="what_if"),
     Option(("--np", "-np"), "np", "the pool sizes to run the cell at", (SCALE,),
            metavar="1,2,4"),

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 from .. import config
 
@@ -50,8 +50,7 @@ GOOD = 0.9
 @dataclass(frozen=True)
 class Scenario:
     """A cluster and a model: everything a prediction needs. ``None`` = the default above;
-    ``hierarchical`` None = a flat ring (Horovod's default, ``HOROVOD_HIERARCHICAL_ALLREDUCE``
-    unset)."""
+    ``hierarchical`` None = a flat ring (Horovod's default)."""
 
     hosts: int
     ranks_per_host: int
@@ -263,7 +262,7 @@ def predict(hosts: int, ranks_per_host: int, link_gbit: float, latency_us: float
       the allreduce runs hidden; None = 0.5; 0 = no overlap;
     - ``fp16``: gradients compressed to 16 bits (half the bytes);
     - ``hierarchical``: True = reduce inside hosts, ring across, broadcast inside
-      (``HOROVOD_HIERARCHICAL_ALLREDUCE=1``); None or False = one flat ring (Horovod's
+      (Horovod's hierarchical allreduce); None or False = one flat ring (Horovod's
       default).
 
     Tensor fusion uses Horovod's defaults (``HOROVOD_FUSION_THRESHOLD`` 64 MiB, this
@@ -276,6 +275,42 @@ def predict(hosts: int, ranks_per_host: int, link_gbit: float, latency_us: float
                   intra_gbit=intra_gbit, backward_fraction=backward_fraction, fp16=fp16,
                   hierarchical=hierarchical)
     return point(sc, sc.size).efficiency
+
+
+#: What ``--what-if`` assumes for a cluster option not given.
+DEFAULT_HOSTS = 2
+DEFAULT_RANKS_PER_HOST = 1
+DEFAULT_LINK_GBIT = 10.0
+DEFAULT_LATENCY_US = 50.0
+
+
+def scenario_from(options: Mapping[str, Any], model_bytes: float,
+                  tensors: Optional[int] = None) -> Scenario:
+    """``%hvd doctor --what-if``'s options (dests as declared in
+    :mod:`hvd_magic.runner.options`; absent or None = the default) and the gradient bytes
+    -> :class:`Scenario`. Raises ValueError saying what to give."""
+    def get(key: str, default: Any = None) -> Any:
+        value = options.get(key)
+        return default if value is None else value
+    step, ips, batch = get("step_time"), get("images_per_sec"), get("batch")
+    if step is not None and ips is not None:
+        raise ValueError("what-if: give --step-time S or --images-per-sec R (with --batch), "
+                         "not both")
+    if step is None:
+        if ips is None or batch is None:
+            raise ValueError("what-if: give the time of one training step on one rank: "
+                             "--step-time S, or --images-per-sec R with --batch B")
+        step = batch / ips
+    mb = get("fusion_threshold_mb")
+    return Scenario(int(get("num_hosts", DEFAULT_HOSTS)),
+                    int(get("ranks_per_host", DEFAULT_RANKS_PER_HOST)),
+                    float(get("link_gbit", DEFAULT_LINK_GBIT)),
+                    float(get("latency_us", DEFAULT_LATENCY_US)), float(model_bytes),
+                    float(step), intra_gbit=get("intra_gbit"),
+                    backward_fraction=get("backward_fraction"), fp16=bool(get("fp16", False)),
+                    hierarchical=bool(get("hierarchical_allreduce", False)),
+                    fusion_threshold=None if mb is None else int(round(mb * 2**20)),
+                    cycle_time_ms=get("cycle_time_ms"), batch=batch, tensors=tensors)
 
 
 def render(rep: WhatIfReport) -> str:

@@ -6,6 +6,7 @@ import html
 from typing import Any, List
 
 from ..runner.doctor import Report, gbit, prediction_text, render_text
+from ..runner.whatif import GOOD, WhatIfReport, render as render_what_if
 
 OK, BAD = "#2e7d32", "#c62828"
 
@@ -63,4 +64,38 @@ def show_report(rep: Report) -> Any:
         display(w)
         return w
     print(render_text(rep))
+    return None
+
+
+def what_if_html(rep: WhatIfReport) -> str:
+    """``--what-if``'s forecast as one HTML fragment: the table of sizes (efficiency below
+    0.9 in red), then where it bends and the link that keeps 0.9 (the text report's lines)."""
+    e = html.escape
+    head, *rest = render_what_if(rep).split("\n")
+    out = [f'<div style="font:13px sans-serif"><b>hvd doctor --what-if</b>: '
+           f'{e(head.split(": ", 1)[1])}<table>'
+           + _row(["ranks", "hosts", "efficiency", "step ms", "allreduce ms", "exposed ms",
+                   "images/s"], head=True)]
+    for p in rep.points:
+        eff = f"{p.efficiency:.3f}"
+        out.append(_row([str(p.ranks), str(p.hosts),
+                         eff if p.efficiency >= GOOD else f'<span style="color:{BAD}">{eff}</span>',
+                         f"{p.step_s * 1e3:.1f}", f"{p.comm_s * 1e3:.1f}",
+                         f"{p.exposed_s * 1e3:.1f}",
+                         "-" if p.images_per_s is None else f"{p.images_per_s:.1f}"]))
+    out.append("</table>")
+    out += [f"<p>{e(line.strip())}</p>" for line in rest[1 + len(rep.points):]]
+    return "".join(out) + "</div>"
+
+
+def show_what_if(rep: WhatIfReport) -> Any:
+    """Like :func:`show_report`, for ``%hvd doctor --what-if``."""
+    from .sink import widgets_available
+    if widgets_available():
+        import ipywidgets
+        from IPython.display import display
+        w = ipywidgets.HTML(what_if_html(rep))
+        display(w)
+        return w
+    print(render_what_if(rep))
     return None
