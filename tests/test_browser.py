@@ -148,8 +148,17 @@ def test_live_panel_in_jupyterlab(tmp_path):
         assert 0 < resets[0][0] <= resets[0][1], resets
         metrics = panel.locator(".hvdm-metrics").first.inner_text()
         assert "since the last reset" in metrics and "elastic reset at" in metrics, metrics
-        panel.locator(".hvdm-badge:has-text('rank 1: done')").first.wait_for(timeout=60000)
-        lane = panel.locator("pre.hvdm-log[data-rank='0']").first.inner_text()
+        # the cell's end, as a user waits for it: both survivors done and the cell's snapshot
+        # written (rank 1 can finish before rank 0 prints its last line); then rank 0's last
+        # line is in its lane, within the panel's next redraw
+        for r in (0, 1):
+            panel.locator(f".hvdm-badge:has-text('rank {r}: done')").first.wait_for(timeout=60000)
+        page.locator("details.hvdm-snapshot").nth(1).wait_for(state="attached", timeout=30000)
+        t0 = time.time()
+        lane = ""
+        while "rank 0 of 2: step 600" not in lane and time.time() - t0 < 10:
+            lane = panel.locator("pre.hvdm-log[data-rank='0']").first.inner_text()
+            time.sleep(0.2)
         assert "rank 0 of 2: step 600" in lane, lane
         page.screenshot(path=str(ARTIFACTS / "widgets-elastic.png"), full_page=True)
         assert not [e for e in errors if "bokeh" in e.lower()], errors

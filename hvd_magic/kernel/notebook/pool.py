@@ -36,6 +36,8 @@ from .procs import descendants, describe_exit, end_job_first, parse_rank_exits, 
 DIGEST_HISTORY = 4096
 #: Seconds to wait for the ranks to switch their telemetry on or off.
 SWITCH_TIMEOUT = 30.0
+#: Seconds a finished cell waits at most for the rest of its ranks' output.
+OUTPUT_WAIT_S = 5.0
 
 
 _POOLS: "weakref.WeakSet[Pool]" = weakref.WeakSet()
@@ -352,7 +354,20 @@ class Pool:
                 return
             if deadline is not None and time.monotonic() > deadline:
                 raise _Timeout()
-        ar.wait_for_output(0.5)
+        self._wait_for_output(ar)
+
+    @staticmethod
+    def _wait_for_output(ar: Any, timeout: float = OUTPUT_WAIT_S) -> None:
+        """Wait until each rank that finished the cell has delivered all its output: its
+        result and its output travel on different sockets, and output after the result
+        would be cut off. A rank's "idle" status follows its last output; a rank whose
+        engine was lost sends none, so it is not waited for (ipyparallel's
+        ``wait_for_output`` waits for every rank, and its whole timeout when one is lost)."""
+        import concurrent.futures as cf
+        mds = ar.metadata
+        outputs = [f.output for i, f in enumerate(rank_futures(ar))
+                   if f.done() and not engine_lost(rank_error(ar, i, mds[i]))]
+        cf.wait(outputs, timeout)
 
     def interrupt(self, ranks: Optional[Sequence[int]] = None) -> None:
         """SIGINT to ``ranks`` (default all): KeyboardInterrupt in the running cell there (an
