@@ -51,6 +51,7 @@ class StallCheck:
                   f"on rank {self.rank}{self.where}; other ranks have not negotiated for "
                   f"{now - in_cycle_since:.1f} s" for r in mine if now - r.t_submit >= self.check]
         if not lines:
+            self.reported = frozenset()      # the next stall shows the stacks again
             return
         self.last_warn = now
         sys.stderr.write(

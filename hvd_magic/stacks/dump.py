@@ -11,6 +11,7 @@ on another host, is named as such.
 """
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import os
 import re
@@ -67,6 +68,13 @@ def install(rank: int) -> Optional[str]:
     try:
         if not given:
             os.makedirs(d, mode=0o700, exist_ok=True)
+            if hasattr(os, "getuid") and os.stat(d).st_uid != os.getuid():
+                return None      # someone else's directory of that name: not ours to use
+            if not _state.get("cleanup"):
+                # nobody else removes a directory the ranks made: each rank takes its files
+                # away at exit, and the last one the directory
+                _state["cleanup"] = True
+                atexit.register(_remove_own, d)
         elif not os.path.isdir(d):
             # hvdrun's directory is on its own host: a rank elsewhere dumps to stderr
             faulthandler.register(SIGNAL, file=_stderr(), all_threads=True, chain=False)
@@ -86,6 +94,22 @@ def install(rank: int) -> Optional[str]:
     except OSError:
         return None
     return path
+
+
+def _remove_own(d: str) -> None:
+    path = _state.get("path")
+    if not path:
+        return
+    stem = os.path.join(d, os.path.basename(str(path))[:-len(".stack")])
+    for suffix in (".stack", ".pid", ".submitted"):
+        try:
+            os.unlink(stem + suffix)
+        except OSError:
+            pass
+    try:
+        os.rmdir(d)
+    except OSError:
+        pass     # other ranks' files are still there
 
 
 def submit_site(depth: int = 2) -> str:
