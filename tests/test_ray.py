@@ -282,6 +282,19 @@ try:
 except RuntimeError as exc:
     out["after"] = str(exc)
 out["pg_state"] = ray.util.placement_group_table(pg)["state"]
+
+
+def fails_on_rank_1():
+    if os.environ["RANK"] == "1":
+        raise ValueError("bad batch")
+    return "ok"
+
+
+ex.start()                       # new workers after the failure
+try:
+    out["returned_2"] = ex.run(fails_on_rank_1)
+except RayWorkerError as exc:
+    out.update(raised=str(exc), raised_rank=exc.rank, raised_node=exc.node)
 print("RESULT " + json.dumps(out), flush=True)
 '''
 
@@ -295,6 +308,12 @@ def test_a_killed_worker_ends_run_naming_its_rank_and_node(cluster):
     # the surviving rank, stuck in its allreduce, was stopped too; nothing is left
     assert out["pg_state"] == "REMOVED"
     assert "call start() again" in out["after"]
+    # start() makes new workers; a function that raises on one rank ends run naming it
+    assert "returned_2" not in out, out
+    assert out["raised_rank"] == 1
+    assert out["raised"].startswith("rank 1 (on node ") and \
+        "raised ValueError: bad batch" in out["raised"], out["raised"]
+    assert "fails_on_rank_1" in out["raised"]          # the rank's traceback
     assert _gone(cluster)
 
 

@@ -17,7 +17,6 @@ waiting for the lost one in a collective, are not left behind. ``start()`` makes
 """
 from __future__ import annotations
 
-import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -209,7 +208,7 @@ class RayExecutor:
                 max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self._pg, placement_group_bundle_index=index),
-            ).remote(world_rank=i, world_size=self.num_workers))
+            ).remote())
         self.workers = actors
         nodes = self._get([a.node.remote() for a in actors], "the workers to start")
         # ranks node by node, in the order the nodes first appear
@@ -235,8 +234,8 @@ class RayExecutor:
                 env = dict(common, RANK=rank, ROLE_RANK=rank, LOCAL_RANK=local_rank,
                            LOCAL_WORLD_SIZE=len(members), GROUP_RANK=group_rank)
                 if gpus:
-                    # every rank of a node sees the node's GPUs, local rank i's own first
-                    # in CUDA_VISIBLE_DEVICES order, so hvd.local_rank() indexes them
+                    # every rank of a node sees the node's GPUs, listed in local-rank
+                    # order: with one GPU per worker, device hvd.local_rank() is its own
                     env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
                 env.update(extra_env_vars)
                 calls.append(self.workers[rank].update_env_vars.remote(env))

@@ -20,10 +20,6 @@ class BaseHorovodWorker:
 
     executable: Any = None
 
-    def __init__(self, world_rank: int = 0, world_size: int = 1) -> None:
-        self.world_rank = world_rank
-        self.world_size = world_size
-
     def node(self) -> Dict[str, Any]:
         """Where this worker runs: Ray's node id and address, the hostname, the pid, and
         the GPUs Ray gave it."""
@@ -46,9 +42,6 @@ class BaseHorovodWorker:
     def update_env_vars(self, env_vars: Dict[str, Any]) -> None:
         """Set environment variables in this worker's process (values as strings)."""
         os.environ.update({str(k): str(v) for k, v in env_vars.items()})
-
-    def env_vars(self) -> Dict[str, str]:
-        return dict(os.environ)
 
     def start_executable(self, executable_cls: Optional[type] = None,
                          executable_args: Optional[List] = None,
