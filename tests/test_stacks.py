@@ -230,3 +230,29 @@ def test_hvd_stacks_on_a_busy_pool_answers_and_leaves_the_cell_running(capsys):
     assert "finished 0" in after and "finished 1" in after, after
     assert took < 30, took       # a hang guard only: gathering itself stops at 2 s
     assert not wait_no_pool_processes(5.0)
+
+
+def test_the_live_panel_shows_each_rank_s_stack_under_its_lane_at_a_stall(monkeypatch):
+    """The panel's model sees the stall (telemetry); the pool gathers the stacks while the
+    cell runs and each lane gets a folded "stack" element that opens on a click in the
+    browser (tests/test_browser.py drives a real one; here the widgets' values)."""
+    pytest.importorskip("ipywidgets")
+    from IPython.testing.globalipapp import get_ipython, start_ipython
+    from hvd_magic.kernel import PoolManager
+    from hvd_magic.widgets.panel import WidgetSink
+    start_ipython() or get_ipython()
+    for k_, v in STALL.items():
+        monkeypatch.setenv(k_, v)
+    manager = PoolManager()
+    try:
+        pool = manager.ensure(2, None, None, None)
+        sink = WidgetSink(ranks=[0, 1])
+        pool.run_cell(MISMATCH_CELL, sink)
+        stacks = {r: w.value for r, w in sink.stack_ws.items()}
+    finally:
+        manager.stop()
+    for r, n in ((0, 4), (1, 6)):
+        html = stacks[r]
+        assert html.startswith(f"<details class='hvdm-stack' data-rank='{r}'><summary>"), stacks
+        assert re.search(rf"rank {r}: waits in hvd_magic, called at \S+:{n} ", html), html
+        assert re.search(rf"File &quot;\S+&quot;, line {n}, in &lt;module&gt;", html), html

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 from .. import config
 from ..kernel.notebook.output import PoolCellError
 from .html import badge_html, banner_html, metrics_html, snapshot_html
-from .model import GROUP_COLOR, RESET_COLOR, STATUS_TEXT, CellState, phase_group
+from .model import GROUP_COLOR, RESET_COLOR, STALLED, STATUS_TEXT, CellState, phase_group
 from .session import save_trace, session
 from .render import RENDERER
 from .text import telemetry_interval
@@ -107,6 +107,10 @@ class WidgetSink:
         # only run after the cell). Each lane is shown twice: in "all ranks" and in its tab.
         self.lanes_box = W.Tab([])
         self.lanes: Dict[int, Any] = {}
+        # each lane's stack, gathered at a stall: a <details> element that opens on a click
+        # in the browser, with no round trip to the kernel (busy running the cell)
+        self.stack_ws: Dict[int, Any] = {}
+        self._stacks_asked = False
         self.save_w = W.Button(description="Save Chrome trace", icon="download",
                                tooltip="write the timeline as Chrome-trace JSON for Perfetto "
                                "(runs once the cell has finished)",
@@ -315,7 +319,8 @@ class WidgetSink:
             boxes = []
             for r in sorted(self.lanes):
                 head, body, out = self.lanes[r]
-                lane = W.VBox([head, body, out], layout=W.Layout(
+                stack = self.stack_ws.setdefault(r, W.HTML(""))
+                lane = W.VBox([head, body, out, stack], layout=W.Layout(
                     border="1px solid #ddd", padding="2px", margin="2px 0"))
                 lane.add_class("hvdm-lane")
                 lane.add_class(f"hvdm-lane-{r}")
@@ -344,6 +349,33 @@ class WidgetSink:
             self.saved_w.value = f"<span style='color:#c00'>{_esc(str(exc))}</span>"
 
     # -- end of the cell
+    def wants_stacks(self) -> bool:
+        """True once per stall (some rank's status is stalled): the pool then gathers the
+        ranks' stacks and hands them to :meth:`stacks`."""
+        with self.lock:
+            stalled = any(self.cell.rank[r].status == STALLED for r in self.cell.ranks)
+            if not stalled:
+                self._stacks_asked = False
+                return False
+            if self._stacks_asked:
+                return False
+            self._stacks_asked = True
+            return True
+
+    def stacks(self, stacks: Sequence[Any]) -> None:
+        """Put each rank's stack (:class:`hvd_magic.stacks.group.RankStack`) under its lane,
+        folded: a click on "stack" opens it (any thread)."""
+        from ..stacks.group import render
+        with self.lock:
+            for s in stacks:
+                w = self.stack_ws.get(s.rank)
+                if w is None:
+                    continue
+                text = render([s], title=f"rank {s.rank}: the stack at {time.strftime('%H:%M:%S')}")
+                w.value = (f"<details class='hvdm-stack' data-rank='{s.rank}'><summary>stack "
+                           f"(where rank {s.rank} is)</summary><pre class='hvdm-log'>"
+                           f"{_esc(text)}</pre></details>")
+
     def lost(self, rank: int, why: str) -> None:
         with self.lock:
             self.cell.lose(rank, why)

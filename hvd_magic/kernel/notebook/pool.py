@@ -17,6 +17,7 @@ import queue
 import shutil
 import signal
 import tempfile
+import threading
 import time
 import weakref
 from typing import Any, Dict, List, Optional, Sequence
@@ -334,12 +335,18 @@ class Pool:
     def _wait(self, ar: Any, pump: "Pump", poke: "queue.SimpleQueue[int]", targets: List[int],
               timeout: Optional[float]) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
+        wants_stacks = getattr(pump.sink, "wants_stacks", None)
         while not ar.ready():
             try:
                 poke.get(timeout=0.05)
             except queue.Empty:
                 pass
             pump.flush()
+            if wants_stacks is not None and wants_stacks():
+                # a stall: the live panel shows each rank's stack under its lane (gathered
+                # on a thread, at most 2 s; the cell goes on meanwhile)
+                threading.Thread(target=lambda: pump.sink.stacks(self.stacks()),
+                                 name="hvd_magic-stacks", daemon=True).start()
             verdict = liveness.judge(self._seen(ar, targets=targets))
             if verdict.action != liveness.WAIT:
                 # the job is over (its results are on their way), or mpiexec is about to
