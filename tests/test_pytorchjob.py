@@ -79,19 +79,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
-def test_the_manifest_command_trains_on_every_rank():
-    """Each pod's command, with $(VAR)s as the operator sets them, started on this machine:
-    both "pods" rendezvous at 127.0.0.1, and train.py (import hvd_magic.torch as hvd) runs
-    on nnodes x nproc-per-node ranks that agree on the weights."""
+def _clean_env():
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "HOROVOD_", "HVD_MAGIC_"))}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _ranks(outs):
+    """train.py's JSON lines from every process's output, in rank order."""
+    return sorted((json.loads(line) for out in outs for line in out.splitlines()
+                   if line.startswith("{")), key=lambda r: r["rank"])
+
+
+@pytest.fixture(scope="module")
+def manifest_job():
+    """Each pod's command, with $(VAR)s as the operator sets them, started on this machine
+    (both "pods" rendezvous at 127.0.0.1): (nnodes, nproc, train.py's lines by rank)."""
     pytest.importorskip("hvd_magic.collectives.controller",
                         reason="needs the torch.distributed controller (issue 36 item 1)")
     command = pod_commands(load())[0][2]["command"]
     nnodes, nproc = int(flag(command, "nnodes")), int(flag(command, "nproc-per-node"))
     port = str(_free_port())
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "HOROVOD_", "HVD_MAGIC_"))}
-    env["PYTHONUNBUFFERED"] = "1"
+    env = _clean_env()
     procs = []
     for node_rank in range(nnodes):
         pod = {"RANK": str(node_rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
@@ -113,11 +123,34 @@ def test_the_manifest_command_trains_on_every_rank():
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.communicate()
-    ranks = sorted((json.loads(line) for out in outs for line in out.splitlines()
-                    if line.startswith("{")), key=lambda r: r["rank"])
+    return nnodes, nproc, _ranks(outs)
+
+
+@pytest.mark.slow
+def test_the_manifest_command_trains_on_every_rank(manifest_job):
+    """train.py (import hvd_magic.torch as hvd) runs on nnodes x nproc-per-node ranks, with
+    torchrun's local and cross ranks, that agree on the weights."""
+    nnodes, nproc, ranks = manifest_job
     size = nnodes * nproc
     assert [r["rank"] for r in ranks] == list(range(size))
     assert all(r["size"] == size for r in ranks)
     assert [r["local_rank"] for r in ranks] == [i % nproc for i in range(size)]
     assert [r["cross_rank"] for r in ranks] == [i // nproc for i in range(size)]
     assert all(r["weights"] == ranks[0]["weights"] for r in ranks)
+
+
+@pytest.mark.slow
+def test_hvdrun_gloo_trains_train_py_to_the_manifests_weights(manifest_job):
+    """The job the manifest describes and ``hvdrun --gloo -np N python train.py`` (the same
+    script and ranks, started by hvdrun without MPI) end with the same weights."""
+    pytest.importorskip("hvd_magic.runner.gloo_run", reason="needs hvdrun --gloo (issue 36 item 1)")
+    nnodes, nproc, ranks = manifest_job
+    size = nnodes * nproc
+    proc = subprocess.run([os.path.join(VENV_BIN, "hvdrun"), "--gloo", "-np", str(size),
+                           sys.executable, TRAIN], env=_clean_env(), capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    by_hvdrun = _ranks([proc.stdout])
+    assert [r["rank"] for r in by_hvdrun] == list(range(size))
+    for got, want in zip(by_hvdrun[0]["weights"], ranks[0]["weights"]):
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
