@@ -57,6 +57,10 @@ _VARS = [
         "1 marks every negotiation cycle in the timeline"),
     Var("HOROVOD_DYNAMIC_PROCESS_SETS", "bool", False,
         "1 lets hvd.add_process_set / remove_process_set run after hvd.init()"),
+    Var("HOROVOD_CONTROLLER", "choice", "",
+        "what coordinates the ranks: mpi, or gloo (torch.distributed); unset: MPI when an MPI "
+        "launcher started the job, gloo under torchrun / hvdrun --gloo or an initialized "
+        "torch.distributed process group (docs/controllers.md)", choices=("mpi", "gloo")),
     Var("HOROVOD_CPU_OPERATIONS", "choice", "mpi",
         "how CPU tensors are reduced: MPI (mpi4py), or torch.distributed with gloo (the "
         "code path CUDA tensors take with NCCL)", choices=("mpi", "gloo")),

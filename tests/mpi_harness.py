@@ -1,4 +1,5 @@
-"""Run a worker script on N real MPI ranks (the venv's Open MPI `mpiexec`)."""
+"""Run a worker script on N real ranks: under the venv's Open MPI `mpiexec` (the MPI
+controller), or under `torchrun` (the gloo controller: no MPI at all)."""
 from __future__ import annotations
 
 import os
@@ -9,6 +10,9 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 MPIEXEC = str(Path(sys.executable).with_name("mpiexec"))
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+#: The launchers a worker script runs under: one test, two controllers.
+LAUNCHERS = ("mpiexec", "torchrun")
 
 
 def mpi_env(extra: dict | None = None) -> dict:
@@ -54,3 +58,34 @@ def mpirun(script: str, np: int, *args: str, env: dict | None = None, timeout: f
         raise AssertionError(f"{script} at {np} ranks exited {proc.returncode}\n"
                              f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
     return proc
+
+
+def torch_env(extra: dict | None = None) -> dict:
+    """The environment of a torchrun job: none of an MPI launcher's variables (the ranks
+    must find no MPI world), one thread per rank."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMIX_", "PMI_", "PRTE_"))}
+    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+                # (rank 0's store and gloo stay on loopback)
+                "GLOO_SOCKET_IFNAME": "lo"})
+    env.update(extra or {})
+    return env
+
+
+def torchrun(script: str, np: int, *args: str, env: dict | None = None, timeout: float = 120,
+             check: bool = True) -> subprocess.CompletedProcess:
+    """Run tests/mpi/<script> under `torchrun --standalone --nproc-per-node np` (a free
+    port on this host); fail with both streams shown on error."""
+    path = HERE / "mpi" / script
+    cmd = [TORCHRUN, "--standalone", "--nproc-per-node", str(np), "--max-restarts", "0",
+           str(path), *args]
+    proc = run_job(cmd, torch_env(env), timeout, f"{script} at {np} ranks under torchrun")
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{script} at {np} ranks under torchrun exited {proc.returncode}\n"
+                             f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
+    return proc
+
+
+def launch(launcher: str, script: str, np: int, *args: str, **kw) -> subprocess.CompletedProcess:
+    """:func:`mpirun` or :func:`torchrun` (``launcher`` one of :data:`LAUNCHERS`)."""
+    return (torchrun if launcher == "torchrun" else mpirun)(script, np, *args, **kw)

@@ -221,6 +221,8 @@ def catching_up(on: bool) -> None:
 def spawned() -> bool:
     """Whether :func:`resize` started this rank to join a running job. Such a rank skips the
     checks the others made once at start (they will not make them again for it)."""
+    if runtime.controller != "mpi":
+        return False              # (the gloo controller starts no ranks; MPI is not running)
     from mpi4py import MPI
     return MPI.Comm.Get_parent() != MPI.COMM_NULL
 
@@ -515,6 +517,10 @@ def run_fn(func: Callable, reset: Callable[[], tuple]) -> Callable:
     start again on the survivors (:func:`shrink`, then its own set-up)."""
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
+        if runtime.controller != "mpi":
+            raise HvdError("elastic training needs the MPI controller (MPI fault tolerance); this "
+                           "job runs over torch.distributed (torchrun, hvdrun --gloo): start it "
+                           "with `hvdrun --min-np N -np M ...`")
         if not fault_tolerant():
             raise HvdError("elastic training needs MPI fault tolerance (ULFM), and this job was "
                            "started without it: run it with `hvdrun --min-np N -np M ...` or "

@@ -41,7 +41,10 @@ class RankLostError(HvdError):
 
 def rank_lost_error(exc: BaseException, who: str):
     """The error for pending work when the engine thread failed with ``exc``: a
-    :class:`RankLostError` when MPI reported a failed process, else None."""
+    :class:`RankLostError` when MPI (or, under the gloo controller, a torch.distributed
+    connection) reported a failed process, else None."""
+    if isinstance(exc, RankLostError):
+        return exc
     from mpi4py import MPI
     if isinstance(exc, MPI.Exception):
         codes = [getattr(MPI, n) for n in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING",

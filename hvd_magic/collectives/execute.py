@@ -48,9 +48,13 @@ class Executor:
         self.who = f"rank {self.rank if me < 0 else me}{self.where}"
         self.tag = f" (process set {set_id})" if set_id else ""
         self.tl = timeline
-        self.cpu_mpi = config.cpu_operations == "mpi"
+        # Under the gloo controller (a torch.distributed communicator) every tensor goes
+        # through torch.distributed: there is no MPI to carry any.
+        self.mpi_free = hasattr(comm, "data_group")
+        self.cpu_mpi = config.cpu_operations == "mpi" and not self.mpi_free
         self.gpu_operations = env.get("HOROVOD_GPU_OPERATIONS")
-        self.mpi_backend = MPIBackend(comm, timeline, config.allreduce_chunk)
+        self.mpi_backend = (None if self.mpi_free else
+                            MPIBackend(comm, timeline, config.allreduce_chunk))
         self._torch_backend = None
         self._host_path = None   # CUDA tensors: None until chosen, False: NCCL, else a HostPath
         self._inflight = inflight
@@ -63,15 +67,18 @@ class Executor:
         joined rank), whose tensor's GPU the first CUDA call uses to choose the path."""
         if device == "cpu" and self.cpu_mpi:
             return self.mpi_backend
-        if self.set_id:
+        if self.set_id and not (self.mpi_free and device == "cpu"):
             raise HvdError("process sets other than the global one run on CPU tensors over "
-                           "MPI only in hvd_magic; use hvd.global_process_set for "
+                           "MPI or gloo only in hvd_magic; use hvd.global_process_set for "
                            f"{device} tensors")
         if device == "cuda":
             if self._host_path is None:
                 self._host_path = self._choose_cuda_path(req)
             if self._host_path:
                 return self._host_path
+        return self._torch()
+
+    def _torch(self):
         if self._torch_backend is None:
             from .backends.torch_dist import TorchBackend
             self._torch_backend = TorchBackend(self.comm, self.tl)
@@ -90,12 +97,14 @@ class Executor:
             gpu = None     # (and every rank still reaches the allgather below)
         if cuda_path(self.comm.allgather((self.gpu_operations, gpu))) == "nccl":
             return False
-        return HostPath(self.mpi_backend, self.tl)
+        # (under the gloo controller the host copies go through gloo)
+        return HostPath(self.mpi_backend or self._torch(), self.tl)
 
     def close(self) -> None:
         """Release the shared-memory segment and the torch.distributed group, if one was
         made (best effort)."""
-        self.mpi_backend.close()
+        if self.mpi_backend is not None:
+            self.mpi_backend.close()
         if self._torch_backend is not None:
             try:
                 self._torch_backend.close()

@@ -180,7 +180,6 @@ def remove_process_set(process_set: ProcessSet) -> bool:
 def _register(sets: list, adding: bool = False) -> None:
     """Give ``sets`` ids and engines (collective over every rank, on the control
     communicator). Every rank's list may differ only where sets come from communicators."""
-    from mpi4py import MPI
     st = require()
     if not st.threads:
         raise ValueError("process sets need MPI with MPI_THREAD_MULTIPLE (each set's engine "
@@ -205,17 +204,14 @@ def _register(sets: list, adding: bool = False) -> None:
         for t in lists:
             if t not in known and t not in order:
                 order.append(t)
-    world = st.control.Get_group()
     for t in order:
-        group = world.Incl(list(t))
-        comm = st.control.Create(group)
-        group.Free()
+        comm = _subcomm(st.control, list(t))
         with lock:
             set_id = st.next_set_id
             st.next_set_id += 1
             st.sets[set_id] = _Entry(list(t), None)
             known[t] = set_id
-        if comm != MPI.COMM_NULL:
+        if comm is not None:
             st.sets[set_id].engine = st.make_engine(comm, list(t), set_id)
     seen = {0}
     for ps, t in zip(sets, mine):
@@ -224,6 +220,18 @@ def _register(sets: list, adding: bool = False) -> None:
         if ps.process_set_id in seen:
             ps._invalidate()     # a second object for the same ranks (as Horovod)
         seen.add(known[t])
+
+
+def _subcomm(control: Any, ranks: list) -> Any:
+    """A communicator over ``ranks`` (collective over every rank of ``control``); None on
+    the ranks not in it."""
+    if hasattr(control, "subset"):      # the gloo controller's (its members only create it)
+        return control.subset(ranks)
+    from mpi4py import MPI
+    group = control.Get_group().Incl(ranks)
+    comm = control.Create(group)
+    group.Free()
+    return None if comm == MPI.COMM_NULL else comm
 
 
 def _comm_ranks(comm: Any, st: Any) -> tuple:

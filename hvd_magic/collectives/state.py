@@ -35,12 +35,14 @@ class Runtime:
     next_set_id: int = 1
     dynamic: bool = False     # process sets may be added and removed after init
     world: Any = None         # COMM_WORLD, or what a spawned elastic rank shares with the others
+    controller: str = "mpi"   # what coordinates the ranks: "mpi", or "gloo" (torch.distributed)
     links: list = field(default_factory=list)   # intercomms of elastic spawns (kept, never freed)
 
     def make_engine(self, comm: Any, ranks: list, set_id: int) -> Any:
         """An engine for a process set on ``comm`` (its members only)."""
         from .engine import Engine
-        cfg = dataclasses.replace(self.config, cpu_operations="mpi")
+        cfg = dataclasses.replace(self.config, cpu_operations="mpi" if self.controller == "mpi"
+                                  else "gloo")
         return Engine(comm, cfg, self.timeline, ranks=ranks, set_id=set_id)
 
 
@@ -64,6 +66,10 @@ def start(comm: Optional[Any] = None) -> bool:
     with lock:
         if runtime.engine is not None and runtime.engine.dead is None:
             return False
+        from . import controller
+        if not _is_mpi_comm(comm) and controller.choose() == "gloo":
+            _start_gloo(comm)
+            return True
         MPI = _mpi()
         if runtime.world is None:   # a rank that elastic.resize spawned joins its spawners
             parent = MPI.Comm.Get_parent()
@@ -135,7 +141,58 @@ def start(comm: Optional[Any] = None) -> bool:
         if cfg.timeline and runtime.rank == 0:
             engine.writer = TimelineWriter(cfg.timeline, cfg.timeline_mark_cycles)
         runtime.engine = engine
+        runtime.controller = "mpi"
         return True
+
+
+def _is_mpi_comm(comm: Any) -> bool:
+    return comm is not None and type(comm).__module__.startswith("mpi4py")
+
+
+def _start_gloo(comm: Any) -> None:
+    """:func:`start` over torch.distributed (the gloo controller: no MPI world). The
+    default process group comes from torchrun's variables unless the user initialized it;
+    negotiation runs on gloo groups of its own, data on the default group (gloo for CPU
+    tensors, NCCL for CUDA tensors where available)."""
+    from . import controller
+    if comm is not None:
+        raise ValueError("init(comm=...) needs the MPI controller (a job started by hvdrun or "
+                         "mpiexec); under torch.distributed (torchrun, hvdrun --gloo) every rank "
+                         "calls hvd.init() and subsets of ranks are process sets "
+                         "(hvd.init(process_sets=[...]))")
+    controller.no_mpi_init()
+    controller.init_process_group()
+    from .config import Config
+    from .engine import Engine
+    from .timeline import Timeline, TimelineWriter
+
+    cfg = Config.from_env()
+    _set_switch_interval()
+    mine = controller.TorchComm.world()
+    # Settings every rank must share (see the MPI path): rank 0's values hold. Every tensor
+    # goes through torch.distributed, in one call each (no MPI pieces, no shared memory).
+    cfg.fusion_threshold, cfg.cache_capacity = mine.bcast(
+        (cfg.fusion_threshold, cfg.cache_capacity), root=0)
+    cfg.cpu_operations, cfg.allreduce_chunk = "gloo", 0
+    old = runtime.timeline
+    tl = Timeline(mine.Get_rank(), old.subscribers if old is not None else None)
+    runtime.controller = "gloo"
+    runtime.world = runtime.comm = mine
+    runtime.rank, runtime.size = mine.Get_rank(), mine.Get_size()
+    (runtime.local_rank, runtime.local_size,
+     runtime.cross_rank, runtime.cross_size) = controller.topology(runtime.rank, runtime.size)
+    runtime.threads = True        # (each engine thread has process groups of its own)
+    runtime.config = cfg
+    runtime.control = mine.Dup()
+    runtime.sets, runtime.next_set_id = {}, 1
+    runtime.timeline = tl
+    if cfg.timeline:
+        tl.recording = True
+        tl.mark_cycles = cfg.timeline_mark_cycles
+    engine = Engine(mine, cfg, tl)
+    if cfg.timeline and runtime.rank == 0:
+        engine.writer = TimelineWriter(cfg.timeline, cfg.timeline_mark_cycles)
+    runtime.engine = engine
 
 
 def _set_switch_interval() -> None:
@@ -241,9 +298,9 @@ def cross_rank() -> int:
 
 
 def mpi_threads_supported() -> bool:
-    """True when MPI runs with MPI_THREAD_MULTIPLE."""
+    """True when MPI runs with MPI_THREAD_MULTIPLE (False under the gloo controller)."""
     if runtime.engine is not None:
-        return runtime.threads
+        return runtime.threads and runtime.controller == "mpi"
     MPI = _mpi()
     return MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
@@ -253,6 +310,9 @@ def mpi_built() -> bool:
 
 
 def mpi_enabled() -> bool:
+    """MPI is available, and coordinates the ranks once ``hvd.init()`` ran."""
+    if runtime.engine is not None:
+        return runtime.controller == "mpi"
     return mpi_built()
 
 
@@ -265,6 +325,10 @@ def gloo_built() -> bool:
 
 
 def gloo_enabled() -> bool:
+    """gloo is available, and coordinates the ranks once ``hvd.init()`` ran (the gloo
+    controller: torchrun, ``hvdrun --gloo``)."""
+    if runtime.engine is not None:
+        return runtime.controller == "gloo"
     return gloo_built()
 
 

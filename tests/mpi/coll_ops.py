@@ -201,7 +201,8 @@ def run_all():
 
     # 64 KiB to 1 MiB on one host: through the shared-memory segment (backends/shm.py)
     from hvd_magic.collectives import state
-    shm = state.engine().mpi_backend.shm
+    mpi = state.engine().mpi_backend      # (None under the gloo controller: no MPI)
+    shm = mpi.shm if mpi is not None else None
     before = shm.calls if shm is not None else 0
     for fw, dtype in (("np", "float32"), ("np", "float64"), ("np", "int32"), ("torch", "float32")):
         for elems in (64 * 1024 // 4, 1024 * 1024 // 8):
@@ -603,7 +604,7 @@ def main():
             hvd.shutdown()
         if os.environ.get("COLL_TIMING"):
             print(f"{mode}: init+run {t1 - t0:.2f} s, shutdown {time.time() - t1:.2f} s", flush=True)
-    r = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+    r = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("RANK", "0")))
     if FAILS:
         for f in FAILS:
             print(f"rank {r}: FAIL {f}", file=sys.stderr)

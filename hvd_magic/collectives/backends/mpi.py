@@ -134,6 +134,41 @@ def _bytes(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1).view(np.uint8)
 
 
+def adasum_request(comm: Any, tl: Any, prefix: str, req: Optional[Any], ann: Any) -> None:
+    """One tensor's Adasum (:mod:`..adasum`) over ``comm`` (an mpi4py communicator, or the
+    gloo controller's), reduced in float32 for half types; in place where the caller allows
+    it. A joined rank (``req`` None) contributes zeros, which
+    change nothing."""
+    dtype, n = ann.dtype, math.prod(ann.shape)
+    red = (_DTYPES.get(dtype) or _dtypes(dtype))[0]
+    half = dtype in ops.HALF
+    target = None
+    if req is None:
+        work = np.zeros(n, dtype=red)
+    else:
+        src = req.src()
+        target = None if half else (src if req.out is src else req.inplace_target())
+        if target is not None:
+            work = target.reshape(-1)
+        else:
+            work = ops.upcast(src.reshape(-1), dtype).astype(red, copy=not half)
+    if ann.prescale != 1.0:
+        np.multiply(work, red.type(ann.prescale), out=work)
+    t0 = now_us() if tl.active else 0.0
+    adasum_allreduce(comm, work)
+    if tl.active:
+        tl.add(ann.name, f"{prefix}_ADASUM", t0, now_us() - t0, {"bytes": int(work.nbytes)})
+    if ann.postscale != 1.0:
+        np.multiply(work, red.type(ann.postscale), out=work)
+    if req is None:
+        return
+    if half:
+        out = np.empty(n, dtype=ops.np_dtype(dtype))
+        ops.downcast_into(out, work, dtype)
+        work = out
+    req.set_array(target if target is not None else work.reshape(ann.shape), dtype)
+
+
 class MPIBackend:
     """Collectives over an mpi4py communicator (the engine's own duplicate)."""
 
@@ -254,37 +289,7 @@ class MPIBackend:
                 self.tl.add(ann.name, MEMCPY_OUT, t2, t3 - t2)
 
     def _adasum(self, req: Optional[Any], ann: Any) -> None:
-        """One tensor's Adasum (:mod:`..adasum`), reduced in float32 for half types; in place
-        where the caller allows it. A joined rank (``req`` None) contributes zeros, which
-        change nothing."""
-        dtype, n = ann.dtype, math.prod(ann.shape)
-        red = (_DTYPES.get(dtype) or _dtypes(dtype))[0]
-        half = dtype in ops.HALF
-        target = None
-        if req is None:
-            work = np.zeros(n, dtype=red)
-        else:
-            src = req.src()
-            target = None if half else (src if req.out is src else req.inplace_target())
-            if target is not None:
-                work = target.reshape(-1)
-            else:
-                work = ops.upcast(src.reshape(-1), dtype).astype(red, copy=not half)
-        if ann.prescale != 1.0:
-            np.multiply(work, red.type(ann.prescale), out=work)
-        t0 = now_us() if self.tl.active else 0.0
-        adasum_allreduce(self.comm, work)
-        if self.tl.active:
-            self.tl.add(ann.name, f"{self.prefix}_ADASUM", t0, now_us() - t0, {"bytes": int(work.nbytes)})
-        if ann.postscale != 1.0:
-            np.multiply(work, red.type(ann.postscale), out=work)
-        if req is None:
-            return
-        if half:
-            out = np.empty(n, dtype=ops.np_dtype(dtype))
-            ops.downcast_into(out, work, dtype)
-            work = out
-        req.set_array(target if target is not None else work.reshape(ann.shape), dtype)
+        adasum_request(self.comm, self.tl, self.prefix, req, ann)
 
     def _allreduce_one(self, req: Any, ann0: Any, op: ReduceOp, red: np.dtype, mop: MPI.Op,
                        n_contrib: int) -> np.ndarray:

@@ -216,6 +216,8 @@ class TorchBackend:
     # -------------------------------------------------------------- set-up
     def _setup(self, comm: Any) -> Any:
         torch, dist = self.torch, self.dist
+        if hasattr(comm, "data_group"):
+            return comm.data_group()    # the gloo controller's: torch.distributed is up
         if dist.is_initialized():
             if dist.get_world_size() == self.size and dist.get_rank() == self.rank:
                 return None   # the user's default group matches: share it
@@ -352,6 +354,9 @@ class TorchBackend:
 
     def _dist_op(self, op: ReduceOp, dtype_name: str) -> Any:
         if op == ReduceOp.ADASUM:
+            if hasattr(self.comm, "data_group"):
+                raise ValueError("Adasum runs on CPU tensors only under the gloo controller; "
+                                 "reduce a CPU copy (tensor.cpu()), or use hvd.Average")
             raise ValueError("Adasum on GPU tensors is not supported by hvd_magic yet (nor through "
                              "torch.distributed with HOROVOD_CPU_OPERATIONS=gloo); reduce a CPU "
                              "copy (tensor.cpu()) over MPI, or use hvd.Average")
@@ -364,6 +369,13 @@ class TorchBackend:
         torch, dist = self.torch, self.dist
         ann0 = entries[0][1]
         op = ReduceOp(ann0.op)
+        if op == ReduceOp.ADASUM and ann0.device == "cpu" and hasattr(self.comm, "data_group"):
+            # the gloo controller's CPU tensors: the same Adasum as MPI's, over its
+            # communicator (each tensor alone: the fusion plan never fuses Adasum)
+            from .mpi import adasum_request
+            for req, ann in entries:
+                adasum_request(self.comm, self.tl, "GLOO", req, ann)
+            return
         self._dist_op(op, ann0.dtype)           # (Adasum: a ValueError before any work)
         device = self._device(next((req for req, _ in entries if req is not None), None), ann0)
         red = self._red_dtype(ann0.dtype, ann0.device)
@@ -436,7 +448,10 @@ class TorchBackend:
         else:
             buf = torch.empty(shape, dtype=dt, device=dev)
         t0 = now_us() if self.tl.active else 0.0
-        dist.broadcast(buf, src=root, group=self.group)
+        # (torch.distributed names the root by its world rank; a process set's communicator
+        # under the gloo controller lists its members' world ranks)
+        src = self.comm.ranks[root] if hasattr(self.comm, "ranks") else root
+        dist.broadcast(buf, src=src, group=self.group)
         if self.tl.active:
             self.tl.add(ann0.name, f"{self._prefix(dev)}_BCAST", t0, now_us() - t0)
         self._out(req, buf.to(self._dtype(ann0.dtype)))
