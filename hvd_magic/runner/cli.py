@@ -162,6 +162,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         except ValueError as exc:
             sys.stderr.write(f"hvdrun: {exc}\n")
             return 1
+    if ns.gloo:
+        from .gloo_run import run as run_gloo
+        try:
+            return run_gloo(args)
+        except ValueError as exc:          # what --gloo does not do
+            parser.error(str(exc))
     try:
         argv_, env = prepare(args)
     except MpiNotFoundError as exc:
