@@ -96,6 +96,9 @@ class WidgetSink:
         self._drawn: Dict[Any, Any] = {}
         self._drawn_resets: set = set()
         self._last = 0.0
+        # Something new arrived since the last redraw (output, a batch, a status line): the
+        # periodic redraw (at most every ``refresh`` s) is skipped while nothing changed.
+        self._changed = True
         self._t0_us: Optional[float] = None
         self._closed = False
         self.status_w = W.HTML("", layout=W.Layout(margin="0"))
@@ -175,11 +178,13 @@ class WidgetSink:
     # -- OutputSink protocol (kernel main thread)
     def status(self, text: str) -> None:
         with self.lock:
+            self._changed = True
             self.cell.notes.append(text.rstrip())
             self.status_w.value = f"<span style='color:#666;font-size:12px'>{_esc(text)}</span>"
 
     def stream(self, rank: int, name: str, text: str) -> None:
         with self.lock:
+            self._changed = True
             self.cell.stream(rank, name, text)
         if rank not in self.lanes:
             self._set_ranks(self.cell.ranks)
@@ -228,6 +233,7 @@ class WidgetSink:
 
     def ingest(self, batches: Sequence[Mapping[str, Any]]) -> None:
         with self.lock:
+            self._changed = True
             self.batches += len(batches)
             for b in batches:
                 self.cell.stall_after_s = float(b.get("stall_s", self.cell.stall_after_s))
@@ -239,13 +245,14 @@ class WidgetSink:
         self._maybe_render()
 
     def _maybe_render(self) -> None:
-        if time.monotonic() - self._last >= self.refresh:
+        if self._changed and time.monotonic() - self._last >= self.refresh:
             self.render()
 
     def render(self) -> None:
         """Push what changed to the browser (any thread)."""
         with self.lock:
             self._last = time.monotonic()
+            self._changed = False
             cell = self.cell
             self._set_html(self.badges_w, "".join(
                 badge_html(r, cell.rank[r].status, cell.rank[r].why) for r in cell.ranks))
@@ -378,6 +385,7 @@ class WidgetSink:
 
     def lost(self, rank: int, why: str) -> None:
         with self.lock:
+            self._changed = True
             self.cell.lose(rank, why)
 
     def failed(self, exc: PoolCellError) -> None:

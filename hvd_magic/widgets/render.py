@@ -57,7 +57,10 @@ class _Renderer:
     mostly runs in the time ranks spend waiting in collectives.
     """
 
-    period = 0.15     # drain this often; panels redraw at their own ``refresh``
+    # Look at the panels this often; each redraws only when something changed and its own
+    # ``refresh`` (0.45 s) has passed: twice a second while output and batches arrive,
+    # not at all while nothing does.
+    period = 0.25
 
     def __init__(self) -> None:
         self.sinks: List[Any] = []

@@ -145,11 +145,17 @@ class Pump:
                 self.sink.display(r, item.get("data", {}), item.get("metadata", {}))
             self.offsets[(r, "outputs")] = len(outputs)
             data = md.get("data")
-            if data and self.ingest is not None:
-                for key in [k for k in list(data) if k.startswith("hvdm.")
-                            and k not in self.seen]:
-                    self.seen.add(key)
-                    batches.append(data[key])
+            # ipyparallel's IO thread adds each data message's keys to this dict, in arrival
+            # order, and every batch has a key of its own: only keys past those read before
+            # are new (a long cell has thousands; each is looked at once). ``list`` first: the
+            # dict may grow meanwhile.
+            n = self.offsets.get((r, "data"), 0)
+            if data and self.ingest is not None and len(data) > n:
+                for key in list(data)[n:]:
+                    if key.startswith("hvdm.") and key not in self.seen:
+                        self.seen.add(key)
+                        batches.append(data[key])
+                self.offsets[(r, "data")] = len(data)
         if batches:
             batches.sort(key=lambda b: (b.get("rank", 0), b.get("seq", 0)))
             self.ingest(batches)
