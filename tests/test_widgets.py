@@ -349,6 +349,12 @@ def test_two_rank_cell_telemetry_through_text_sink(capsys):
         with open(os.path.join(pool.config.workdir, "controller.log")) as f:
             log = f.read()
         assert "data_message" not in log, log[-2000:]
+        # a cell in which nothing the panel shows changes (no collective, no samples) sends
+        # its first batch and its last, not one every interval
+        snk = S.TelemetryTextSink(ranks=[0, 1])
+        pool.run_cell("import time\ntime.sleep(3)\n", snk)
+        assert snk.batches <= 4, snk.batches
+        assert all(snk.cell.rank[r].status == M.DONE for r in (0, 1))
         # a failing cell: the rank and the reason
         snk = S.TelemetryTextSink(ranks=[0, 1])
         with pytest.raises(Exception):
@@ -433,6 +439,40 @@ def test_a_finished_panel_leaves_the_renderer():
     assert panel in S.RENDERER.sinks
     panel.finalize()
     assert panel not in S.RENDERER.sinks
+
+
+def test_a_running_panel_redraws_only_when_something_changed():
+    """The periodic redraw sends nothing while no output, batch or status arrived, and at
+    most one redraw per ``refresh`` when they do (the ranks share the cores with it)."""
+    pytest.importorskip("ipywidgets")
+    pytest.importorskip("jupyter_bokeh")
+    from hvd_magic.widgets import panel as S
+
+    panel = S.WidgetSink(ranks=[0, 1], refresh=0.0)
+    panel.begin([0, 1], 2, "1")
+    S.RENDERER.remove(panel)            # ticked by hand here
+    draws = []
+    render = panel.render
+    panel.render = lambda: (draws.append(1), render())[1]
+    try:
+        for _ in range(5):
+            panel.tick()
+        assert draws == []
+        panel.ingest([{"rank": 0, "seq": 1, "t": 1.0, "t0": 0.0, "status": "running",
+                       "samples": 64, "samples_t": 1.0, "spans": [(1e5, 2e5, "NEGOTIATE", "g")]}])
+        panel.tick()
+        panel.tick()
+        assert len(draws) == 1
+        assert "running" in panel.badges_w.value
+        panel.stream(1, "stdout", "step 1\n")      # output: drawn at the next look
+        panel.tick()
+        assert len(draws) == 2 and "step 1" in panel.lanes[1][1].value
+        panel.refresh = 60.0
+        panel.stream(1, "stdout", "step 2\n")
+        panel.tick()
+        assert len(draws) == 2                      # not before ``refresh`` has passed
+    finally:
+        panel.finalize()
 
 
 def test_live_panels_lower_the_kernels_autogroup_priority():

@@ -6,7 +6,8 @@ the text summary. Standard library only at import.
 :func:`enable` (called once per
 pool through ``apply``) hooks IPython's ``pre_run_cell`` / ``post_run_cell`` on the engine:
 while a cell runs, the rank subscribes to the runtime's timeline events and a background
-thread sends one batch every ``interval`` seconds with ipyparallel's ``publish_data``
+thread sends one batch every ``interval`` seconds (none while nothing it would show changed)
+with ipyparallel's ``publish_data``
 (a ``data_message`` on IOPub whose parent is the running cell, so the client files it under
 that cell's metadata). Keys are ``hvdm.<rank>.<seq>`` so no batch overwrites another.
 
@@ -50,6 +51,8 @@ class _Telemetry:
         self.subscribe_fn: Any = None     # hvd.subscribe of the running cell (None: no hvd)
         self.since: Optional[float] = None    # start of what the collected events cover
         self.window: Optional[float] = None   # seconds subscribed before a batch; None: all
+        self.shown: Any = None            # what the latest batch sent showed (see send)
+        self.held_us = 0.0                # time covered by batches not sent (nothing changed)
 
     # engine thread of the runtime: keep it trivial
     def on_events(self, events: list) -> None:
@@ -90,6 +93,8 @@ class _Telemetry:
             reset_progress()
             self.t0 = time.time()
             self.sent = 0
+            self.shown = None
+            self.held_us = 0.0
             self.window = None
             self.since = None
             self._subscribe()
@@ -202,10 +207,26 @@ class _Telemetry:
             if status == "running" and not self.running:
                 return
             b = self.batch(status, error)
-            self.sent += 1
-            _publish({f"hvdm.{b['rank']}.{b['seq']}": b})
+            shown = (b["samples"], b["samples_t"], b["autotune"])
+            if status == "running" and self.shown == shown and _quiet(b):
+                # Nothing the panel shows would change (no collective, no new samples, nothing
+                # pending): no message. The time it covered goes with the next batch, so the
+                # share of time in collectives stays exact.
+                self.held_us += b["sampled_us"]
+                self.seq -= 1
+            else:
+                b["sampled_us"] += self.held_us
+                self.held_us = 0.0
+                self.shown = shown
+                self.sent += 1
+                _publish({f"hvdm.{b['rank']}.{b['seq']}": b})
             if status == "running" and self.window is None and self.unsub is None:
                 self._subscribe()            # back to the whole interval
+
+
+def _quiet(batch: dict) -> bool:
+    """A batch with no timeline, nothing pending and no elastic change."""
+    return not (batch["spans"] or batch["busy_us"] or batch["pending"] or batch["elastic"])
 
 
 def _publish(data: dict) -> None:
