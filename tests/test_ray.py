@@ -174,6 +174,11 @@ if importlib.util.find_spec("hvd_magic.collectives.controller") is not None:
 pg = ex.placement_group
 ex.shutdown()
 out["pg_state"] = ray.util.placement_group_table(pg)["state"]
+# num_workers alone: one-worker bundles packed onto as few nodes as fit (1 CPU each here)
+packed = RayExecutor(settings, num_workers=2)
+packed.start()
+out["packed"] = packed.run(where)
+packed.shutdown()
 print("RESULT " + json.dumps(out), flush=True)
 '''
 
@@ -204,6 +209,11 @@ def test_two_nodes_get_one_worker_each_with_torchruns_variables(cluster, two_nod
     assert out["run_remote"] == [5, 5]
     # shutdown removed the placement group and the workers' processes
     assert out["pg_state"] == "REMOVED"
+    # num_workers=2 alone on two one-CPU nodes: one bundle per node, ranks node by node
+    packed = out["packed"]
+    assert sorted(w["ip"] for w in packed) == [hosts.a.ip, hosts.b.ip]
+    assert [w["RANK"] for w in packed] == ["0", "1"]
+    assert {w["MASTER_ADDR"] for w in packed} == {packed[0]["ip"]}
     assert _gone(cluster)
 
 
