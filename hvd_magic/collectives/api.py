@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from . import ops
+from . import ops, progress
 from .errors import OpNotSupportedError
 from .handles import GroupHandle, Handle
 from .ops import Average
@@ -100,10 +100,12 @@ def submit_allreduce(tensor, out, name, op, prescale, postscale, urgent=False,
         try:
             key = (tensor.dtype, tensor.shape, getattr(tensor, "device", None), op, prescale,
                    postscale)
-            fields = _DECIDED.get(key)
+            decided = _DECIDED.get(key)
         except (AttributeError, TypeError):       # not a tensor, or an unhashable argument
-            fields = key = None
-        if fields is not None:
+            decided = key = None
+        if decided is not None:
+            fields, size = decided
+            progress.allreduce_bytes += size      # the live panel's gradient bytes per step
             return e.submit(new_tuple(Ann, (name if name is not None else request_name(
                 "allreduce", None, e),) + fields), tensor, out, urgent=urgent)
     else:
@@ -115,11 +117,25 @@ def submit_allreduce(tensor, out, name, op, prescale, postscale, urgent=False,
     ann = allreduce_ann(request_name("allreduce", name, eng), dtype, shape, int(op),
                         scale_factor(prescale, "prescale_factor"), scale_factor(postscale, "postscale_factor"),
                         device)
+    size = tensor_bytes(dtype, shape)
     if key is not None and eng is e:
         if len(_DECIDED) > 4096:
             _DECIDED.clear()
-        _DECIDED[key] = ann[1:]
+        _DECIDED[key] = (ann[1:], size)
+    progress.allreduce_bytes += size
     return eng.submit(ann, tensor, out, urgent=urgent)
+
+
+def tensor_bytes(dtype: str, shape: tuple) -> int:
+    """Bytes of a tensor of ``dtype`` and ``shape`` (0 for a dtype numpy does not know)."""
+    try:
+        itemsize = np.dtype(dtype).itemsize
+    except TypeError:
+        itemsize = 2 if "16" in dtype else 0       # bfloat16 and other types numpy lacks
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n * itemsize
 
 
 def allreduce(tensor: Any, name: Optional[str] = None, op: Any = Average,

@@ -13,7 +13,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from . import ops
+from . import ops, progress
 from .api import (allgather_async, allgather_object, check_tensor, reducescatter_async,
                   request_name, scale_factor, submit_allreduce)
 from .errors import HvdError, OpNotSupportedError
@@ -105,6 +105,7 @@ def _grouped(tensors: Sequence[Any], name: Optional[str], op: Any, prescale: flo
         ann = Ann(label, "allreduce", dtype, flat.shape, int(op_), -1,
                   scale_factor(prescale, "prescale_factor"), scale_factor(postscale, "postscale_factor"), device)
         # ``flat`` is our own buffer: reduce it in place (no result allocation, no copy)
+        progress.allreduce_bytes += flat.nbytes     # the live panel's gradient bytes per step
         parts.append((eng.submit(ann, flat, out=flat, post=split, urgent=urgent), idxs))
     return GroupHandle(parts, len(tensors))
 

@@ -9,12 +9,18 @@ from typing import Optional, Tuple
 _count = 0
 _last: Optional[float] = None
 _first: Optional[Tuple[float, int]] = None    # (time, cumulative count) of the first report
+_reports = 0                                  # report() calls: training steps
+#: Bytes this rank's allreduces carried since the cell started (the allreduce calls add
+#: each tensor's bytes: one integer add a call). With the steps, the gradient bytes per
+#: step that the live panel's predicted efficiency needs.
+allreduce_bytes = 0
 
 
 def report(samples: int) -> None:
     """Count ``samples`` processed by this rank since the cell started. Costs ~0.2 us."""
-    global _count, _last, _first
+    global _count, _last, _first, _reports
     _count += samples
+    _reports += 1
     _last = time.time()
     if _first is None:
         _first = (_last, _count)
@@ -31,7 +37,12 @@ def first_report() -> Optional[Tuple[float, int]]:
     return _first
 
 
+def traffic() -> Tuple[int, int]:
+    """``(report() calls, bytes allreduced)`` since the cell started."""
+    return _reports, allreduce_bytes
+
+
 def reset_progress() -> None:
     """Start counting from zero (a new cell)."""
-    global _count, _last, _first
-    _count, _last, _first = 0, None, None
+    global _count, _last, _first, _reports, allreduce_bytes
+    _count, _last, _first, _reports, allreduce_bytes = 0, None, None, 0, 0

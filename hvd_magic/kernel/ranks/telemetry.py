@@ -16,10 +16,12 @@ failed), ``error``, ``samples`` (cumulative) and ``samples_t`` (time of the late
 ``spans`` (merged phase spans, see :func:`.spans.compact_events`), ``busy_us`` (time with a
 collective in flight in this batch), ``pending`` (``hvd.pending()``), ``elastic`` (the
 changes of the ranks since the cell began, see
-:func:`hvd_magic.collectives.elastic.changes`).
+:func:`hvd_magic.collectives.elastic.changes`), ``steps`` (``report()`` calls) and
+``allreduce_bytes`` (bytes allreduced) since the cell began, ``host``.
 """
 from __future__ import annotations
 
+import socket
 import sys
 import threading
 import time
@@ -27,7 +29,7 @@ from collections import deque
 from typing import Any, Optional
 
 from ... import config
-from ...collectives.progress import first_report, progress, reset_progress
+from ...collectives.progress import first_report, progress, reset_progress, traffic
 
 
 
@@ -179,12 +181,14 @@ class _Telemetry:
             pass
         self.seq += 1
         samples, samples_t = progress()
+        steps, nbytes = traffic()
         return {"rank": self.rank, "seq": self.seq, "t": now, "t0": self.t0,
                 "status": status, "error": error, "samples": samples, "samples_t": samples_t,
                 "samples_first": first_report(),
                 "spans": spans, "cut_us": cut, "busy_us": busy, "sampled_us": covered * 1e6,
                 "pending": pending, "stall_s": self.stall_s, "autotune": tune,
-                "elastic": changes}
+                "elastic": changes, "steps": steps, "allreduce_bytes": nbytes,
+                "host": _HOST}
 
     def _adapt(self, n_events: int, covered: float) -> None:
         """Sample the timeline when it is busy: a cell whose events would fill more than twice
@@ -232,6 +236,10 @@ def _quiet(batch: dict) -> bool:
 def _publish(data: dict) -> None:
     from ipyparallel.datapub import publish_data
     publish_data(data)
+
+
+#: This rank's host, for the panel's predicted efficiency (which hosts the pool spans).
+_HOST = socket.gethostname()
 
 
 _T: Optional[_Telemetry] = None
