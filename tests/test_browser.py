@@ -103,6 +103,16 @@ def test_live_panel_in_jupyterlab(tmp_path):
         metrics = page.locator(".hvdm-metrics").first.inner_text()
         assert re.search(r"communication\s+\d+%", metrics), metrics
         assert re.search(r"throughput\s+[\d.]+\s*k?", metrics), metrics
+        # predicted beside measured: the efficiency the what-if model predicts for this pool
+        # (one host, no %hvd doctor: its defaults) next to the measured one, live
+        t1, pred = time.time(), ""
+        while time.time() - t1 < 20 and not pred:
+            loc = page.locator(".hvdm-metrics").first.locator(".hvdm-predicted")
+            pred = loc.first.inner_text() if loc.count() else ""
+            time.sleep(0.3)
+        running = page.locator(".jp-InputPrompt:has-text('[*]')").count() > 0
+        assert re.search(r"efficiency: measured \d+%.*predicted \d+%", pred), (pred, metrics)
+        assert "no doctor measurement: defaults" in pred and running, pred
         # the filter shows one rank
         # the filter (tabs, switched in the browser while the kernel is busy) shows one rank
         page.locator(".hvdm-panel .lm-TabBar-tab:has-text('rank 1')").first.click()
@@ -124,6 +134,7 @@ def test_live_panel_in_jupyterlab(tmp_path):
         assert "stderr" in page.locator("pre.hvdm-log[data-rank='0']").first.inner_html()
         final = page.locator(".hvdm-metrics").first.inner_text()
         assert re.search(r"communication\s+\d+%", final), final
+        assert re.search(r"efficiency: measured \d+%.*predicted \d+%", final), final
         page.screenshot(path=str(ARTIFACTS / "widgets-done.png"), full_page=True)
         # the elastic cell (3 ranks, --min-np 2): rank 2 is killed mid-training. While the cell
         # still runs, its panel marks rank 2 lost, draws the reset across the timeline and
@@ -162,3 +173,60 @@ def test_live_panel_in_jupyterlab(tmp_path):
         assert "rank 0 of 2: step 600" in lane, lane
         page.screenshot(path=str(ARTIFACTS / "widgets-elastic.png"), full_page=True)
         assert not [e for e in errors if "bokeh" in e.lower()], errors
+
+
+PREDICTED_CELLS = ["%load_ext hvd_magic", "%hvd doctor -np 2", """%%hvd -np 2
+import time, torch
+import hvd_magic.torch as hvd
+from hvd_magic import report
+torch.manual_seed(0)
+model = torch.nn.Linear(256, 256)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                               named_parameters=model.named_parameters())
+x, y = torch.randn(32, 256), torch.randn(32, 256)
+for step in range(1500):
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    time.sleep(0.004)          # stands in for the rest of a step
+    report(samples=32)
+print("trained", step + 1, "steps")"""]
+
+
+def test_predicted_beside_measured_in_jupyterlab(tmp_path):
+    """`%hvd doctor` of the pool's host, then a 2-rank training cell: while it runs, its
+    panel shows the efficiency the model predicts from the doctor's measurement beside the
+    measured one, and how much of the gap is communication; the finished panel keeps both."""
+    import nbformat
+    ARTIFACTS.mkdir(exist_ok=True)
+    root = tmp_path / "nb"
+    root.mkdir()
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in PREDICTED_CELLS])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)",
+                                 "language": "python"}
+    nbformat.write(nb, str(root / "predicted.ipynb"))
+    pattern = re.compile(r"efficiency: measured \d+%.*predicted \d+% \(doctor: [\d.]+ Gbit/s, "
+                         r"\d+ us\); (of the \d+-point gap, \d+ points? (is|are) communication|"
+                         r"as predicted|better than predicted)")
+    with lab.jupyter_lab(root, ARTIFACTS / "jupyterlab-predicted.log") as base, \
+            lab.browser(tmp_path / "profile") as ctx:
+        page = ctx.new_page()
+        lab.open_notebook(page, base, "predicted.ipynb")
+        lab.run_all(page)
+        metrics = page.locator(".hvdm-panel .hvdm-metrics").first
+        metrics.wait_for(timeout=180000)          # the doctor's probe, then the pool's start
+        t0, live, running = time.time(), "", False
+        while time.time() - t0 < 60:
+            loc = metrics.locator(".hvdm-predicted")
+            live = loc.first.inner_text() if loc.count() else ""
+            running = page.locator(".jp-InputPrompt:has-text('[*]')").count() > 0
+            if live or not running:
+                break
+            time.sleep(0.3)
+        page.screenshot(path=str(ARTIFACTS / "widgets-predicted.png"), full_page=True)
+        assert running and pattern.search(live), (live, metrics.inner_text())
+        page.locator(".hvdm-panel .hvdm-badge:has-text('rank 1: done')").first.wait_for(
+            timeout=120000)
+        final = page.locator(".hvdm-metrics").first.inner_text()
+        page.screenshot(path=str(ARTIFACTS / "widgets-predicted.png"), full_page=True)
+        assert pattern.search(final), final

@@ -157,6 +157,92 @@ def test_cell_state_throughput_efficiency_comm_and_summary():
     assert "hvdm-eff" in H.metrics_html(c) and "90%" in H.metrics_html(c)
 
 
+# ---------------------------------------------------------------- predicted beside measured
+
+def test_predicted_beside_measured_splits_the_gap():
+    from hvd_magic.runner.whatif import predict
+    from hvd_magic.widgets.predicted import Link, compare
+    link = Link(1.0, 50.0, True)
+    # 2 hosts of 1 rank, 25 MB a step, 0.2 s steps on 1 rank; measured: 0.5 s a step on the
+    # pool, 40% of it in collectives
+    c = compare(0.5, 0.4, 25e6, 2, 1, link, single_step_s=0.2)
+    assert c.predicted == pytest.approx(predict(2, 1, 1.0, 50.0, 25e6, 0.2))
+    assert c.measured == pytest.approx(0.4)
+    comm_only = 0.2 / (0.2 + 0.4 * 0.5)          # the compute as on 1 rank, comm as measured
+    assert c.comm == pytest.approx(c.predicted - comm_only)
+    assert c.rest == pytest.approx(comm_only - 0.4)
+    assert c.comm + c.rest == pytest.approx(c.predicted - c.measured)
+    text = c.text()
+    assert "measured 40%" in text and f"predicted {100 * c.predicted:.0f}%" in text
+    assert "doctor: 1 Gbit/s, 50 us" in text and "points are communication" in text
+    # no 1-rank baseline: the step on one rank is the pool's step less its collectives, so
+    # the whole gap is communication
+    c = compare(0.5, 0.4, 25e6, 2, 1, link)
+    assert c.measured == pytest.approx(0.6) and c.rest == pytest.approx(0.0)
+    assert "no 1-rank baseline" in c.text()
+
+
+def test_predicted_defaults_on_one_host_and_nothing_on_several_without_doctor():
+    from hvd_magic.widgets.predicted import compare
+    c = compare(0.11, 0.1, 4e6, 1, 2, None, single_step_s=0.1)
+    assert c is not None and not c.link.doctor
+    assert "predicted" in c.text() and "(no doctor measurement: defaults)" in c.text()
+    assert compare(0.11, 0.1, 4e6, 2, 1, None) is None       # which link? only the doctor knows
+    assert compare(0.11, 0.1, 0, 1, 2, None) is None         # no allreduce: nothing to predict
+    assert compare(0.0, 0.1, 4e6, 1, 2, None) is None
+
+
+def test_the_doctors_link_counts_only_for_the_same_hosts():
+    from hvd_magic.runner.doctor import Link as Measured, Report
+    from hvd_magic.widgets.predicted import link_of
+    rep = Report(np=2, hosts={"a": [0], "b": [1]}, versions={}, gpus={},
+                 links=[Measured("a", "b", 1.25e8, 40e-6), Measured("b", "a", 2.5e8, 60e-6)])
+    link = link_of(rep, ["a", "b"])
+    assert link.doctor and link.gbit == pytest.approx(1.0) and link.latency_us == pytest.approx(60)
+    assert link_of(rep, ["a", "c"]) is None and link_of(None, ["a"]) is None
+    one = Report(np=2, hosts={"a": [0, 1]}, versions={}, gpus={},
+                 allreduce={"bandwidth": 2.5e9, "latency": 5e-6, "intercept": 0, "slope": 0})
+    assert link_of(one, {"a"}).gbit == pytest.approx(20.0)
+    rep.allreduce = one.allreduce          # the allreduce sweep, where there is one, counts
+    assert link_of(rep, ["a", "b"]).latency_us == pytest.approx(5.0)
+
+
+def test_cell_state_shows_predicted_beside_measured():
+    from hvd_magic.runner.doctor import Link as Measured, Report
+    rep = Report(np=2, hosts={"h0": [0], "h1": [1]}, versions={}, gpus={},
+                 links=[Measured("h0", "h1", 1.25e8, 50e-6)])
+    c = M.CellState([0, 1], single_rate=100.0, window=10.0, doctor=rep)
+    for i in range(1, 5):
+        for r in (0, 1):     # 10 samples a step, 9 steps/s: 0.111 s a step; 8 MB a step
+            c.ingest(batch(r, i, float(i), samples=90 * i, busy=0.25e6, steps=9 * i,
+                           allreduce_bytes=72_000_000 * i, host=f"h{r}"))
+    p = c.predicted()
+    assert p.measured == pytest.approx(0.9) and p.link.doctor
+    assert p.predicted == pytest.approx(
+        __import__("hvd_magic.runner.whatif", fromlist=["predict"]).predict(
+            2, 1, 1.0, 50.0, 8e6, 0.1))
+    c.finish()
+    assert f"hvd: {p.text()}" in c.summary_text()
+    assert "hvdm-predicted" in H.metrics_html(c) and "predicted" in H.metrics_html(c)
+    # another pool's hosts: the doctor's links do not apply, and two hosts need them
+    other = M.CellState([0, 1], single_rate=100.0, window=10.0, doctor=rep)
+    for i in range(1, 5):
+        for r in (0, 1):
+            other.ingest(batch(r, i, float(i), samples=90 * i, steps=9 * i,
+                               allreduce_bytes=8_000_000 * i, host=f"x{r}"))
+    assert other.predicted() is None and "predicted" not in other.summary_text()
+
+
+def test_report_counts_steps():
+    from hvd_magic.collectives import progress
+    progress.reset_progress()
+    progress.report(4)
+    progress.report(4)
+    assert progress.traffic()[0] == 2
+    progress.reset_progress()
+    assert progress.traffic() == (0, 0)
+
+
 def test_cell_state_rate_of_a_cell_shorter_than_one_batch():
     # the training loop ran between two telemetry batches: only the final one carries samples,
     # and the rate still runs from the first report() (its 10 samples excluded) to the last
@@ -362,6 +448,48 @@ def test_two_rank_cell_telemetry_through_text_sink(capsys):
                              "if hvd.rank() == 1: raise ValueError('boom on 1')\n", snk)
         assert snk.cell.rank[1].status == M.FAILED and "boom on 1" in snk.cell.rank[1].why
         assert snk.cell.rank[0].status == M.DONE
+    finally:
+        manager.stop()
+
+
+@pytest.mark.slow
+@needs_pool
+def test_a_torch_training_cell_shows_predicted_beside_measured_efficiency(capsys):
+    """A real 2-rank pool trains a small torch model with DistributedOptimizer and report():
+    the summary has the measured and the predicted efficiency, the gradient bytes the ranks
+    counted are the model's, and the split of the gap."""
+    pytest.importorskip("ipyparallel")
+    pytest.importorskip("torch")
+    from hvd_magic.kernel import PoolManager
+    from hvd_magic.widgets import text as S
+    manager = PoolManager()
+    try:
+        pool = manager.ensure(2, None, None, None)
+        code = ("import torch, hvd_magic.torch as hvd\nfrom hvd_magic import report\n"
+                "hvd.init()\ntorch.manual_seed(0)\ntorch.set_num_threads(1)\n"
+                "model = torch.nn.Linear(256, 256)\n"
+                "opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),\n"
+                "                               named_parameters=model.named_parameters())\n"
+                "x, y = torch.randn(32, 256), torch.randn(32, 256)\n"
+                "for step in range(150):\n"
+                "    opt.zero_grad()\n"
+                "    torch.nn.functional.mse_loss(model(x), y).backward()\n"
+                "    opt.step()\n"
+                "    report(samples=32)\n")
+        snk = S.TelemetryTextSink(ranks=[0, 1])
+        pool.run_cell(code, snk)
+        cell = snk.cell
+        grads = (256 * 256 + 256) * 4
+        for r in (0, 1):
+            st = cell.rank[r]
+            assert st.steps == 150 and st.allreduce_bytes == 150 * grads, (st.steps, st.allreduce_bytes)
+        pred = cell.predicted()
+        assert pred is not None and not pred.link.doctor
+        err = capsys.readouterr().err
+        line = next(ln for ln in err.splitlines() if "efficiency: measured" in ln)
+        assert f"measured {100 * pred.measured:.0f}%" in line
+        assert f"predicted {100 * pred.predicted:.0f}%" in line
+        assert "(no doctor measurement: defaults)" in line
     finally:
         manager.stop()
 

@@ -252,6 +252,7 @@ class HvdMagics(Magics):
         """``%hvd doctor ...``: a pre-flight check of the pool these arguments would start."""
         from ..runner.doctor_run import run_doctor, run_what_if
         from ..widgets.doctor import show_report, show_what_if
+        from ..widgets.session import session
         model_bytes = req.doctor.get("model_bytes")
         model_name = req.doctor.get("model")
         tensors = None
@@ -290,6 +291,8 @@ class HvdMagics(Magics):
                                 slurm=getattr(req.pool, "slurm", None), profile=profile)
         except (ValueError, TypeError) as exc:
             raise _usage(exc) from None
+        # the links it measured: a later cell's panel predicts its efficiency from them
+        session().doctor = report
         show_report(report)
         return None
 

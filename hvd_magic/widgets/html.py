@@ -66,6 +66,9 @@ def metrics_html(cell: CellState) -> str:
             "<span style='color:#888'>no 1-rank baseline (run with -np 1 or %hvd scale)</span>")
     tune = autotune_text(cell.autotune)
     extra = f"<div class='hvdm-autotune'>{html.escape(tune)}</div>" if tune else ""
+    pred = cell.predicted()
+    if pred is not None:
+        extra = f"<div class='hvdm-predicted'>{html.escape(pred.text())}</div>" + extra
     origin = cell.origin()
     extra += "".join(f"<div class='hvdm-reset-note' style='color:{RESET_COLOR}'>"
                     f"{html.escape(r.text(origin))}</div>" for r in cell.resets)

@@ -23,6 +23,7 @@ from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 from ..kernel.ranks.spans import Span
 from .rates import (Throughput, autotune_text, comm_fraction, efficiency,  # noqa: F401
                     fmt_pct, fmt_rate)
+from .predicted import Comparison, compare, link_of
 from .resets import Reset, Resets
 
 # ---------------------------------------------------------------------------- statuses
@@ -213,6 +214,9 @@ class RankState:
     sampled_us: float = 0.0            # time the busy measurement covers (all, or windows)
     busy_window: Deque[Tuple[float, float, float]] = field(default_factory=deque)
     # (t, busy_us total, sampled_us total)
+    steps: int = 0                     # report() calls since the cell began
+    allreduce_bytes: int = 0           # bytes its allreduces carried since the cell began
+    host: str = ""
 
 
 class CellState:
@@ -222,7 +226,8 @@ class CellState:
     """
 
     def __init__(self, ranks: Sequence[int], single_rate: Optional[float] = None,
-                 max_lines: int = 200, stall_after_s: float = 60.0, window: float = 3.0) -> None:
+                 max_lines: int = 200, stall_after_s: float = 60.0, window: float = 3.0,
+                 doctor: Any = None) -> None:
         self.ranks = list(ranks)
         self.logs: Dict[int, LogBuffer] = {r: LogBuffer(max_lines) for r in self.ranks}
         self.rank: Dict[int, RankState] = {r: RankState() for r in self.ranks}
@@ -238,6 +243,7 @@ class CellState:
         self.finished = False
         self.t_start = time.time()
         self.resets = Resets(self.ranks)
+        self.doctor = doctor               # the session's last %hvd doctor report, or None
 
     # -- inputs
     def stream(self, rank: int, name: str, text: str) -> None:
@@ -285,6 +291,9 @@ class CellState:
         if batch.get("samples_t") is not None:
             self.tput[r].add(float(batch["samples_t"]), float(batch.get("samples", 0)))
         st.pending = list(batch.get("pending") or [])
+        if batch.get("steps") is not None:
+            st.steps, st.allreduce_bytes = int(batch["steps"]), int(batch.get("allreduce_bytes") or 0)
+            st.host = str(batch.get("host") or "")
         if batch.get("autotune") and (r == 0 or self.autotune is None):
             self.autotune = dict(batch["autotune"])
         status = batch.get("status")
@@ -383,6 +392,29 @@ class CellState:
         vals = [v for v in self.comm().values() if v is not None]
         return sum(vals) / len(vals) if vals else None
 
+    def predicted(self) -> Optional[Comparison]:
+        """Measured beside predicted efficiency for this pool (:mod:`.predicted`); None until
+        the ranks reported steps, samples/s and allreduced bytes (or with several hosts and
+        no ``%hvd doctor`` of them)."""
+        rates = self.rates()
+        hosts: Dict[str, int] = {}
+        steps, nbytes = [], []
+        for r in self.live_ranks():
+            st, last = self.rank[r], self.tput[r].last
+            if not st.host or not st.steps or last is None or not rates.get(r):
+                continue
+            hosts[st.host] = hosts.get(st.host, 0) + 1
+            per_step = last[1] / st.steps                   # samples per step
+            steps.append((per_step, per_step / rates[r]))
+            nbytes.append(st.allreduce_bytes / st.steps)
+        if len(steps) < max(2, len(self.live_ranks())):    # (one rank: the baseline itself)
+            return None
+        per_step = sum(p for p, _ in steps) / len(steps)
+        step_s = sum(s for _, s in steps) / len(steps)
+        single = per_step / self.single_rate if self.single_rate else None
+        return compare(step_s, self.comm_mean() or 0.0, max(nbytes), len(hosts),
+                       max(hosts.values()), link_of(self.doctor, hosts), single)
+
     def banner(self) -> Tuple[str, str]:
         """(level, text): ``("error", ...)`` for failures, ``("warning", ...)`` for stalls,
         ``("", "")`` when all is well."""
@@ -441,6 +473,9 @@ class CellState:
         if any(v is not None for v in comm.values()):
             per = ", ".join(f"rank {r} {fmt_pct(comm[r])}" for r in self.live_ranks())
             lines.append(f"hvd: collectives in flight {fmt_pct(self.comm_mean())} of the time ({per})")
+        pred = self.predicted()
+        if pred is not None:
+            lines.append(f"hvd: {pred.text()}")
         tune = autotune_text(self.autotune)
         if tune:
             lines.append(f"hvd: {tune}")

@@ -217,7 +217,8 @@ class WidgetSink:
         with self.lock:
             old = self.cell
             self.code, self.size = code, size
-            self.cell = CellState(ranks, session().baseline_for(code), max_lines=self.max_lines)
+            self.cell = CellState(ranks, session().baseline_for(code), max_lines=self.max_lines,
+                                  doctor=session().doctor)
             self.cell.notes = old.notes
             session().last_cell, session().last_sink = self.cell, self
         self._set_ranks(ranks)

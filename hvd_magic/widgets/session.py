@@ -1,5 +1,6 @@
 """What the ``%%hvd`` cells of one kernel (one notebook) share on the widget side, in one
-object: the 1-rank baselines of scaling efficiency, the last cell (for ``save_trace``), the
+object: the 1-rank baselines of scaling efficiency, the last ``%hvd doctor`` report (the
+links the panel's predicted efficiency uses), the last cell (for ``save_trace``), the
 finished panels kept live, and whether BokehJS was loaded. :func:`session` returns the
 kernel's; ``session().reset()`` forgets everything."""
 from __future__ import annotations
@@ -36,6 +37,7 @@ class Session:
         self.bokeh_loaded = False
         self.bokeh_loader: Optional[str] = None   # display id of BokehJS still in the output
         self.render_error: Optional[str] = None   # the background renderer's last error
+        self.doctor: Any = None                   # the last %hvd doctor report (its links)
 
     def set_baseline(self, samples_per_s: float, code: Optional[str] = None) -> None:
         """The 1-rank samples/s that scaling efficiency compares against (for the cell with

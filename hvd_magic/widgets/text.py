@@ -37,7 +37,7 @@ class TelemetryTextSink(TextSink):
         self._said = ""
 
     def begin(self, ranks: Sequence[int], size: int, code: str) -> None:
-        self.cell = CellState(ranks, session().baseline_for(code))
+        self.cell = CellState(ranks, session().baseline_for(code), doctor=session().doctor)
         self.code, self.size = code, size
         session().last_cell = self.cell
 
