@@ -248,3 +248,32 @@ def test_torchrun_across_two_namespace_hosts(two_hosts):
                 assert f["local"] == "0/1" and f["cross"] == f"{r}/2", f
         else:
             assert "[rank 0] done, 0 failures" in out and "[rank 1] done, 0 failures" in out, outs
+
+
+def test_a_process_group_the_user_initialized_selects_the_gloo_controller():
+    """No launcher's variables: the processes called init_process_group themselves, then
+    hvd.init() runs on that group; local and cross ranks come from the host names."""
+    import socket
+    import subprocess
+    import sys
+
+    from mpi_harness import HERE, torch_env
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in torch_env().items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    script = str(HERE / "mpi" / "user_process_group.py")
+    procs = [subprocess.Popen([sys.executable, script, str(r), str(port)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True) for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    out = "".join(o for o, _ in outs)
+    assert all(p.returncode == 0 for p in procs), outs
+    for r in (0, 1):
+        assert f"pg rank={r} size=2 local={r}/2 cross=0/1 sum=3" in out, outs

@@ -115,8 +115,8 @@ def init_process_group() -> None:
 def topology(rank: int, size: int) -> tuple:
     """(local_rank, local_size, cross_rank, cross_size) from the launcher's variables
     (torchrun's LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE); without them
-    (a process group the user set up otherwise) every rank counts as a host of its own
-    unless the hosts' names say otherwise (one allgather)."""
+    (a process group the user set up otherwise) the ranks on one host are those with the
+    same host name (one allgather)."""
     e = os.environ
     if e.get("LOCAL_RANK") and e.get("LOCAL_WORLD_SIZE"):
         local_rank, local_size = int(e["LOCAL_RANK"]), int(e["LOCAL_WORLD_SIZE"])
@@ -127,13 +127,12 @@ def topology(rank: int, size: int) -> tuple:
     _, dist = _dist()
     hosts: list = [None] * size
     dist.all_gather_object(hosts, socket.gethostname())
-    mine = hosts[rank]
-    local = [r for r, h in enumerate(hosts) if h == mine]
-    order = list(dict.fromkeys(hosts))
+    local = [r for r, h in enumerate(hosts) if h == hosts[rank]]
     local_rank = local.index(rank)
+    # the cross communicator: the ranks with the same local rank, one per host
     same = [r for r in range(size)
             if [x for x, h in enumerate(hosts) if h == hosts[r]].index(r) == local_rank]
-    return local_rank, len(local), same.index(rank), len(same) if order else 1
+    return local_rank, len(local), same.index(rank), len(same)
 
 
 #: What gloo says when a peer's process ended or stopped answering.
