@@ -47,29 +47,50 @@ def cluster():
     try:
         start_node(hosts, hosts.a, env, ["--head", "--node-ip-address", hosts.a.ip,
                                          "--port", str(PORT), "--include-dashboard", "false",
-                                         *common])
+                                         *common], temp)
         start_node(hosts, hosts.b, env, ["--address", f"{hosts.a.ip}:{PORT}",
-                                         "--node-ip-address", hosts.b.ip, *common])
+                                         "--node-ip-address", hosts.b.ip, *common], temp)
         yield hosts, f"{hosts.a.ip}:{PORT}", env
     finally:
         hosts.destroy()
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def start_node(hosts, host, env, args, tries: int = 3) -> None:
-    """``ray start ARGS`` on ``host``. A node that does not register within Ray's fixed
-    30 s (its processes start slowly on a loaded machine) is killed and started again."""
+def start_node(hosts, host, env, args, temp: str, tries: int = 3) -> None:
+    """``ray start ARGS`` on ``host``. ``ray start`` gives up when its node has not
+    registered with the head within a fixed 30 s, but leaves the node's processes running:
+    on a loaded machine they often register soon after, which the head's log shows. A node
+    that has not within 120 s is killed and started again."""
     for attempt in range(tries):
         proc = hosts.run([f"{VENV_BIN}/ray", "start", *args], env=env, timeout=180, host=host)
         if proc.returncode == 0:
             return
-        if attempt == tries - 1 or "timed out during startup" not in proc.stderr + proc.stdout:
+        if "timed out during startup" not in proc.stderr + proc.stdout:
             raise AssertionError(f"ray start {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if registered(temp, host.ip):
+                return
+            time.sleep(1)
+        if attempt == tries - 1:
+            raise AssertionError(f"ray start {' '.join(args)}: the node did not register "
+                                 f"within 150 s:\n{proc.stdout}\n{proc.stderr}")
         for pid in netns_hosts.netns_pids(host.ns):
             os.kill(pid, 9)
         deadline = time.monotonic() + 10
         while netns_hosts.netns_pids(host.ns) and time.monotonic() < deadline:
             time.sleep(0.1)
+
+
+def registered(temp: str, ip: str) -> bool:
+    """Whether the head's GCS has registered a node at ``ip`` (its log says so)."""
+    import glob
+    for path in glob.glob(os.path.join(temp, "session_*", "logs", "gcs_server.out")):
+        with open(path, errors="replace") as fh:
+            if any("Registering new node" in line and f"node_address={ip}" in line
+                   for line in fh):
+                return True
+    return False
 
 
 def drive(cluster, script: str, *args: str, timeout: float = 300) -> dict:
