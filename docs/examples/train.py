@@ -2,6 +2,7 @@
 same code runs under hvdrun (MPI) and under torchrun (torch.distributed), only the launcher
 differs. Prints each rank's final weights as one JSON line."""
 import json
+import sys
 
 import torch
 
@@ -21,5 +22,9 @@ for step in range(10):
     loss.backward()
     opt.step()
 weights = [p.detach().flatten().tolist() for p in model.parameters()]
-print(json.dumps({"rank": hvd.rank(), "size": hvd.size(), "local_rank": hvd.local_rank(),
-                  "cross_rank": hvd.cross_rank(), "weights": weights}), flush=True)
+# one write per line: the ranks of a host share its stdout, and print() may write the line
+# and its newline separately, letting another rank's line in between
+sys.stdout.write(json.dumps({"rank": hvd.rank(), "size": hvd.size(),
+                             "local_rank": hvd.local_rank(), "cross_rank": hvd.cross_rank(),
+                             "weights": weights}) + "\n")
+sys.stdout.flush()

@@ -289,6 +289,7 @@ class RayExecutor:
         results: Dict[int, Any] = {}
         died: Dict[int, BaseException] = {}
         raised: Dict[int, BaseException] = {}
+        lost: Dict[int, BaseException] = {}
 
         def collect(ready: List[Any]) -> None:
             for ref in ready:
@@ -299,10 +300,12 @@ class RayExecutor:
                     died[rank] = exc
                 except ray.exceptions.RayTaskError as exc:
                     raised[rank] = exc
+                except ray.exceptions.RayError as exc:     # its result was lost, say
+                    lost[rank] = exc
 
         pending = list(refs)
         deadline = None if timeout is None else time.monotonic() + timeout
-        while pending and not (died or raised):
+        while pending and not (died or raised or lost):
             wait = POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - time.monotonic()))
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=wait)
             collect(ready)
@@ -317,6 +320,9 @@ class RayExecutor:
             rank = min(died)
             pid = self.nodes[rank]["pid"] if rank < len(self.nodes) else "?"
             self._fail(rank, f"died: its worker process (pid {pid}) ended", died[rank])
+        if lost:
+            rank = min(lost)
+            self._fail(rank, f"failed: {type(lost[rank]).__name__}: {lost[rank]}", lost[rank])
         if raised:
             rank = min(raised)
             exc = raised[rank]
