@@ -92,6 +92,16 @@ def test_live_panel_in_jupyterlab(tmp_path):
         assert live is not None, f"no live spans/logs for both ranks; spans={spans} " \
                                  f"lanes={l0[-200:]!r} / {l1[-200:]!r} errors={errors}"
         spans_then = live[1]
+        # predicted beside measured: the efficiency the what-if model predicts for this pool
+        # (one host, no %hvd doctor: its defaults) next to the measured one, live
+        t1, pred = time.time(), ""
+        while time.time() - t1 < 20 and not pred:
+            loc = page.locator(".hvdm-metrics").first.locator(".hvdm-predicted")
+            pred = loc.first.inner_text() if loc.count() else ""
+            time.sleep(0.3)
+        running = page.locator(".jp-InputPrompt:has-text('[*]')").count() > 0
+        assert re.search(r"efficiency: measured \d+%.*predicted \d+%", pred), pred
+        assert "no doctor measurement: defaults" in pred and running, pred
         badges = page.locator(".hvdm-badge").all_inner_texts()
         assert any("rank 0: running" in b for b in badges), badges
         # the timeline keeps growing while the cell runs (updates at least twice a second)
@@ -103,16 +113,6 @@ def test_live_panel_in_jupyterlab(tmp_path):
         metrics = page.locator(".hvdm-metrics").first.inner_text()
         assert re.search(r"communication\s+\d+%", metrics), metrics
         assert re.search(r"throughput\s+[\d.]+\s*k?", metrics), metrics
-        # predicted beside measured: the efficiency the what-if model predicts for this pool
-        # (one host, no %hvd doctor: its defaults) next to the measured one, live
-        t1, pred = time.time(), ""
-        while time.time() - t1 < 20 and not pred:
-            loc = page.locator(".hvdm-metrics").first.locator(".hvdm-predicted")
-            pred = loc.first.inner_text() if loc.count() else ""
-            time.sleep(0.3)
-        running = page.locator(".jp-InputPrompt:has-text('[*]')").count() > 0
-        assert re.search(r"efficiency: measured \d+%.*predicted \d+%", pred), (pred, metrics)
-        assert "no doctor measurement: defaults" in pred and running, pred
         # the filter shows one rank
         # the filter (tabs, switched in the browser while the kernel is busy) shows one rank
         page.locator(".hvdm-panel .lm-TabBar-tab:has-text('rank 1')").first.click()
