@@ -66,7 +66,7 @@ def benchmarks() -> list:
         Benchmark("pool", [PYTHON, str(ROOT / "benchmarks/pool.py")], {}, 600.0,
                   "%%hvd pool start to first output and empty-cell round trip vs ipyparallel"),
         Benchmark("widgets", [PYTHON, str(HERE / "widgets.py")], dict(MPI_ENV), 600.0,
-                  "2-rank torch cell: live widgets vs --no-stream throughput (target within 5%)"),
+                  "2-rank torch cell: live widgets vs --no-stream throughput (target within 2%)"),
         Benchmark("kernel_memory", [PYTHON, str(HERE / "kernel_memory.py")], dict(MPI_ENV), 900.0,
                   "a real kernel's and its ranks' memory after 50 and 1,000 live %%hvd cells"),
         Benchmark("keras_training", [PYTHON, str(HERE / "keras_training.py")], dict(MPI_ENV), 900.0,
