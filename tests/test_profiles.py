@@ -144,7 +144,7 @@ def test_magic_arguments_for_slurm_and_profiles():
     assert parse_cell_args("--slurm").slurm == {"partition": None, "time": None,
                                                "nodes": None, "gpus_per_node": None}
     assert parse_cell_args("--profile gpu").profile == "gpu"
-    for bad, words in (("--partition gpu", "go with --slurm"),
+    for bad, words in (("--partition gpu", "goes with --slurm"),
                        ("--slurm --nodes 0", "whole number"),
                        ("-np 2 --slurm --nodes 3", "more nodes than ranks"),
                        ("--slurm --time soon", "Slurm's formats"),

@@ -462,6 +462,8 @@ def test_a_torch_training_cell_shows_predicted_beside_measured_efficiency(capsys
     pytest.importorskip("torch")
     from hvd_magic.kernel import PoolManager
     from hvd_magic.widgets import text as S
+    from hvd_magic.widgets.session import session
+    session().doctor = None      # a %hvd doctor of this host earlier in the run would be used
     manager = PoolManager()
     try:
         pool = manager.ensure(2, None, None, None)
