@@ -177,6 +177,13 @@ def _checkout_under_tmp() -> str:
     return root if root == "/tmp" or root.startswith("/tmp/") else ""
 
 
+def _address(h: NetnsHost) -> None:
+    """``h``'s address on its IFNAME, which comes up with its loopback."""
+    _ip("-n", h.ns, "addr", "add", f"{h.ip}/{PREFIX}", "dev", IFNAME)
+    _ip("-n", h.ns, "link", "set", IFNAME, "up")
+    _ip("-n", h.ns, "link", "set", "lo", "up")
+
+
 class TwoHosts:
     """Namespaces A and B joined by a veth pair, plus the agent; see the module docstring."""
 
@@ -212,20 +219,22 @@ class TwoHosts:
                 # inside, both ends are IFNAME, like eth0 on two real machines
                 _ip("link", "set", h.veth, "netns", h.ns)
                 _ip("-n", h.ns, "link", "set", h.veth, "name", IFNAME)
-                _ip("-n", h.ns, "addr", "add", f"{h.ip}/{PREFIX}", "dev", IFNAME)
-                _ip("-n", h.ns, "link", "set", IFNAME, "up")
-                _ip("-n", h.ns, "link", "set", "lo", "up")
-            self.agent_log = os.path.join(self.dir, "agent.log")
-            cases = "\n".join(f"  {h.ip}|{h.ns}) ns={h.ns} ;;" for h in self.hosts)
-            self.agent = os.path.join(self.dir, "agent")
-            with open(self.agent, "w") as fh:
-                fh.write(AGENT.format(log=shlex.quote(self.agent_log), cases=cases,
-                                      keep=shlex.quote(_checkout_under_tmp())))
-            os.chmod(self.agent, 0o755)
+                _address(h)
+            self._write_agent()
         except BaseException:
             self.destroy()
             raise
         return self
+
+    def _write_agent(self) -> None:
+        """The ssh stand-in, which runs a command in the namespace of the host it names."""
+        self.agent_log = os.path.join(self.dir, "agent.log")
+        cases = "\n".join(f"  {h.ip}|{h.ns}) ns={h.ns} ;;" for h in self.hosts)
+        self.agent = os.path.join(self.dir, "agent")
+        with open(self.agent, "w") as fh:
+            fh.write(AGENT.format(log=shlex.quote(self.agent_log), cases=cases,
+                                  keep=shlex.quote(_checkout_under_tmp())))
+        os.chmod(self.agent, 0o755)
 
     def pids(self) -> Dict[str, List[int]]:
         """Processes now running in each namespace."""
@@ -361,16 +370,8 @@ class ManyHosts(TwoHosts):
                     "netns", self.switch)
                 _ip("-n", self.switch, "link", "set", port, "master", "br0")
                 _ip("-n", self.switch, "link", "set", port, "up")
-                _ip("-n", h.ns, "addr", "add", f"{h.ip}/{PREFIX}", "dev", IFNAME)
-                _ip("-n", h.ns, "link", "set", IFNAME, "up")
-                _ip("-n", h.ns, "link", "set", "lo", "up")
-            self.agent_log = os.path.join(self.dir, "agent.log")
-            cases = "\n".join(f"  {h.ip}|{h.ns}) ns={h.ns} ;;" for h in self.hosts)
-            self.agent = os.path.join(self.dir, "agent")
-            with open(self.agent, "w") as fh:
-                fh.write(AGENT.format(log=shlex.quote(self.agent_log), cases=cases,
-                                      keep=shlex.quote(_checkout_under_tmp())))
-            os.chmod(self.agent, 0o755)
+                _address(h)
+            self._write_agent()
         except BaseException:
             self.destroy()
             raise

@@ -8,6 +8,7 @@ not given, so unnamed calls must come in the same order on every rank).
 from __future__ import annotations
 
 import itertools
+import math
 import pickle
 import threading
 from typing import Any, Optional
@@ -117,25 +118,13 @@ def submit_allreduce(tensor, out, name, op, prescale, postscale, urgent=False,
     ann = allreduce_ann(request_name("allreduce", name, eng), dtype, shape, int(op),
                         scale_factor(prescale, "prescale_factor"), scale_factor(postscale, "postscale_factor"),
                         device)
-    size = tensor_bytes(dtype, shape)
+    size = math.prod(shape) * ops.np_dtype(dtype).itemsize
     if key is not None and eng is e:
         if len(_DECIDED) > 4096:
             _DECIDED.clear()
         _DECIDED[key] = (ann[1:], size)
     progress.allreduce_bytes += size
     return eng.submit(ann, tensor, out, urgent=urgent)
-
-
-def tensor_bytes(dtype: str, shape: tuple) -> int:
-    """Bytes of a tensor of ``dtype`` and ``shape`` (0 for a dtype numpy does not know)."""
-    try:
-        itemsize = np.dtype(dtype).itemsize
-    except TypeError:
-        itemsize = 2 if "16" in dtype else 0       # bfloat16 and other types numpy lacks
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n * itemsize
 
 
 def allreduce(tensor: Any, name: Optional[str] = None, op: Any = Average,

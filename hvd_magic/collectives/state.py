@@ -105,8 +105,6 @@ def start(comm: Optional[Any] = None) -> bool:
             raise TypeError(f"init(comm=...) takes an mpi4py communicator or a list of ranks, "
                             f"not {type(comm).__name__}")
         from .config import Config
-        from .engine import Engine
-        from .timeline import Timeline, TimelineWriter
 
         cfg = Config.from_env()
         _set_switch_interval()
@@ -121,8 +119,7 @@ def start(comm: Optional[Any] = None) -> bool:
             (cfg.fusion_threshold, cfg.cpu_operations, cfg.allreduce_chunk, cfg.cache_capacity),
             root=0)
         cfg.allreduce_chunk = chunk if local.Get_size() == mine.Get_size() else 0
-        old = runtime.timeline
-        tl = Timeline(mine.Get_rank(), old.subscribers if old is not None else None)
+        runtime.controller = "mpi"
         runtime.comm = base
         runtime.rank, runtime.size = mine.Get_rank(), mine.Get_size()
         runtime.local_rank, runtime.local_size = local.Get_rank(), local.Get_size()
@@ -130,19 +127,28 @@ def start(comm: Optional[Any] = None) -> bool:
         runtime.threads = MPI.Query_thread() == MPI.THREAD_MULTIPLE
         local.Free()
         cross.Free()
-        runtime.config = cfg
-        runtime.control = base.Dup()
-        runtime.sets, runtime.next_set_id = {}, 1
-        runtime.timeline = tl
-        if cfg.timeline:
-            tl.recording = True
-            tl.mark_cycles = cfg.timeline_mark_cycles
-        engine = Engine(mine, cfg, tl)
-        if cfg.timeline and runtime.rank == 0:
-            engine.writer = TimelineWriter(cfg.timeline, cfg.timeline_mark_cycles)
-        runtime.engine = engine
-        runtime.controller = "mpi"
+        _start_engine(mine, cfg, control=base.Dup())
         return True
+
+
+def _start_engine(mine: Any, cfg: Any, control: Any) -> None:
+    """What both controllers' starts end with, once the runtime knows its rank: the
+    timeline (keeping its subscribers across a restart), no process sets yet, the engine."""
+    from .engine import Engine
+    from .timeline import Timeline, TimelineWriter
+    old = runtime.timeline
+    tl = Timeline(runtime.rank, old.subscribers if old is not None else None)
+    runtime.config = cfg
+    runtime.control = control
+    runtime.sets, runtime.next_set_id = {}, 1
+    runtime.timeline = tl
+    if cfg.timeline:
+        tl.recording = True
+        tl.mark_cycles = cfg.timeline_mark_cycles
+    engine = Engine(mine, cfg, tl)
+    if cfg.timeline and runtime.rank == 0:
+        engine.writer = TimelineWriter(cfg.timeline, cfg.timeline_mark_cycles)
+    runtime.engine = engine
 
 
 def _is_mpi_comm(comm: Any) -> bool:
@@ -163,8 +169,6 @@ def _start_gloo(comm: Any) -> None:
     controller.no_mpi_init()
     controller.init_process_group()
     from .config import Config
-    from .engine import Engine
-    from .timeline import Timeline, TimelineWriter
 
     cfg = Config.from_env()
     _set_switch_interval()
@@ -174,25 +178,13 @@ def _start_gloo(comm: Any) -> None:
     cfg.fusion_threshold, cfg.cache_capacity = mine.bcast(
         (cfg.fusion_threshold, cfg.cache_capacity), root=0)
     cfg.cpu_operations, cfg.allreduce_chunk = "gloo", 0
-    old = runtime.timeline
-    tl = Timeline(mine.Get_rank(), old.subscribers if old is not None else None)
     runtime.controller = "gloo"
     runtime.world = runtime.comm = mine
     runtime.rank, runtime.size = mine.Get_rank(), mine.Get_size()
     (runtime.local_rank, runtime.local_size,
      runtime.cross_rank, runtime.cross_size) = controller.topology(runtime.rank, runtime.size)
     runtime.threads = True        # (each engine thread has process groups of its own)
-    runtime.config = cfg
-    runtime.control = mine.Dup()
-    runtime.sets, runtime.next_set_id = {}, 1
-    runtime.timeline = tl
-    if cfg.timeline:
-        tl.recording = True
-        tl.mark_cycles = cfg.timeline_mark_cycles
-    engine = Engine(mine, cfg, tl)
-    if cfg.timeline and runtime.rank == 0:
-        engine.writer = TimelineWriter(cfg.timeline, cfg.timeline_mark_cycles)
-    runtime.engine = engine
+    _start_engine(mine, cfg, control=mine.Dup())
 
 
 def _set_switch_interval() -> None:

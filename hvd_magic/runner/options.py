@@ -144,46 +144,34 @@ def whole_number(text: str, flag: str) -> int:
     return int(text)
 
 
-def seconds(text: str, _flag: str) -> float:
+def _number(text: str, ok: Callable[[float], bool], message: str) -> float:
+    """``text`` as a number that ``ok`` accepts; else ValueError(``message``)."""
     try:
         value = float(text)
     except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"--timeout {text!r}: give seconds > 0, e.g. --timeout 60")
+        raise ValueError(message) from None
+    if not ok(value):
+        raise ValueError(message)
     return value
+
+
+def seconds(text: str, _flag: str) -> float:
+    return _number(text, lambda v: v > 0, f"--timeout {text!r}: give seconds > 0, e.g. "
+                   "--timeout 60")
 
 
 def positive_number(text: str, flag: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"{flag} {text!r}: give a number > 0, e.g. --model-bytes 2e6 "
-                         "(gradient bytes per step) --step-time 0.05 (seconds)")
-    return value
+    return _number(text, lambda v: v > 0, f"{flag} {text!r}: give a number > 0, e.g. "
+                   "--model-bytes 2e6 (gradient bytes per step) --step-time 0.05 (seconds)")
 
 
 def non_negative_number(text: str, flag: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise ValueError(f"{flag} {text!r}: give a number >= 0, e.g. {flag} 0")
-    return value
+    return _number(text, lambda v: v >= 0, f"{flag} {text!r}: give a number >= 0, e.g. {flag} 0")
 
 
 def fraction(text: str, flag: str = "--backward-fraction") -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value <= 1:
-        raise ValueError(f"{flag} {text!r}: give a share of the step between 0 and 1, e.g. "
-                         f"{flag} 0.5")
-    return value
+    return _number(text, lambda v: 0 <= v <= 1, f"{flag} {text!r}: give a share of the step "
+                   f"between 0 and 1, e.g. {flag} 0.5")
 
 
 def _fraction_type(text: str) -> float:

@@ -54,17 +54,22 @@ def report_html(rep: Report) -> str:
     return "".join(out) + "</div>"
 
 
-def show_report(rep: Report) -> Any:
+def _show(html_text: str, text: str) -> Any:
     """An ipywidgets HTML in a Jupyter kernel with ipywidgets, plain text elsewhere."""
     from .sink import widgets_available
     if widgets_available():
         import ipywidgets
         from IPython.display import display
-        w = ipywidgets.HTML(report_html(rep))
+        w = ipywidgets.HTML(html_text)
         display(w)
         return w
-    print(render_text(rep))
+    print(text)
     return None
+
+
+def show_report(rep: Report) -> Any:
+    """The doctor's report: a widget in Jupyter, plain text elsewhere."""
+    return _show(report_html(rep), render_text(rep))
 
 
 def what_if_html(rep: WhatIfReport) -> str:
@@ -90,12 +95,4 @@ def what_if_html(rep: WhatIfReport) -> str:
 
 def show_what_if(rep: WhatIfReport) -> Any:
     """Like :func:`show_report`, for ``%hvd doctor --what-if``."""
-    from .sink import widgets_available
-    if widgets_available():
-        import ipywidgets
-        from IPython.display import display
-        w = ipywidgets.HTML(what_if_html(rep))
-        display(w)
-        return w
-    print(render_what_if(rep))
-    return None
+    return _show(what_if_html(rep), render_what_if(rep))
