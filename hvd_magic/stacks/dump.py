@@ -1,13 +1,22 @@
 """Doing: each rank answers a signal with every thread's stack; a gatherer collects them.
 
-:func:`install` (at ``hvd.init()``) registers :data:`SIGNAL` with :mod:`faulthandler`, whose
-handler writes every thread's Python stack from C, without the GIL, so a rank that is stuck
-in C code holding the GIL still answers. It writes to ``<dir>/<rank>.stack`` and records its
-pid, host and main thread in ``<dir>/<rank>.pid``. The directory is
-``HVD_MAGIC_STACKS_DIR`` (set by hvdrun and by a notebook's pool), else one per MPI job
-under the temporary directory. :func:`gather` signals every rank that runs on this host and
-reads what each wrote, for at most ``timeout`` seconds; a rank that does not answer, or runs
-on another host, is named as such.
+:func:`install` (at ``hvd.init()``) makes a rank answer two signals, writing every thread's
+Python stack (:func:`faulthandler.dump_traceback`'s format) to ``<dir>/<rank>.stack``; it
+records its pid, host and main thread in ``<dir>/<rank>.pid``:
+
+- :data:`SIGNAL` (SIGUSR2) with a Python handler. It runs in the main thread with the GIL,
+  so every other thread is between two steps of its code while the stacks are read. The
+  main thread runs it at once when it waits in hvd_magic, sleeps, or runs Python code.
+- :data:`SIGNAL_HELD` (a real-time signal), sent by :func:`gather` to a rank that did not
+  answer the first within :data:`ANSWER_S`, with :mod:`faulthandler`'s handler, which
+  reads the stacks from C without the GIL: a rank stuck in C code holding the GIL still
+  answers. Not first: reading the stacks of threads that run meanwhile can crash the rank
+  (it did, one dump in a few, while the engine thread polled).
+
+The directory is ``HVD_MAGIC_STACKS_DIR`` (set by hvdrun and by a notebook's pool), else
+one per MPI job under the temporary directory. :func:`gather` signals every rank that runs
+on this host and reads what each wrote, for at most ``timeout`` seconds; a rank that does
+not answer, or runs on another host, is named as such.
 """
 from __future__ import annotations
 
@@ -31,6 +40,11 @@ SITES_CAP = 4096
 
 #: The signal a rank answers with its stacks (Open MPI's mpiexec forwards it to the ranks).
 SIGNAL = signal.SIGUSR2
+#: The signal a rank answers from C, without the GIL (None where there are no real-time
+#: signals).
+SIGNAL_HELD = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else None
+#: Seconds :func:`gather` waits for a rank's answer to SIGNAL before it sends SIGNAL_HELD.
+ANSWER_S = 0.5
 #: Seconds a gatherer waits for the ranks' stacks.
 TIMEOUT = 2.0
 #: A dump is complete when its file has not grown for this long.
@@ -59,7 +73,7 @@ def install(rank: int) -> Optional[str]:
     Returns the stack file, or None (no directory known, or the program handles the
     signal itself: then it is left alone)."""
     current = signal.getsignal(SIGNAL)
-    if callable(current) or current == signal.SIG_IGN:
+    if current is not _answer and (callable(current) or current == signal.SIG_IGN):
         return None      # the program's own handler
     d = job_dir()
     if d is None:
@@ -77,15 +91,14 @@ def install(rank: int) -> Optional[str]:
                 atexit.register(_remove_own, d)
         elif not os.path.isdir(d):
             # hvdrun's directory is on its own host: a rank elsewhere dumps to stderr
-            faulthandler.register(SIGNAL, file=_stderr(), all_threads=True, chain=False)
+            _answer_to(_stderr())
             return None
         path = os.path.join(d, f"{rank}.stack")
         if _state.get("path") != path:
             old = _state.get("file")
-            fh = open(path, "ab", buffering=0)
-            faulthandler.register(SIGNAL, file=fh, all_threads=True, chain=False)
-            _state["file"], _state["path"] = fh, path
-            if old is not None:
+            _answer_to(open(path, "ab", buffering=0))
+            _state["path"] = path
+            if old is not None and old is not _stderr():
                 old.close()  # type: ignore[attr-defined]
         tmp = os.path.join(d, f".{rank}.pid.{os.getpid()}")
         with open(tmp, "w") as fh:
@@ -94,6 +107,27 @@ def install(rank: int) -> Optional[str]:
     except OSError:
         return None
     return path
+
+
+def _answer_to(fh) -> None:
+    """Answer both signals by writing to ``fh``."""
+    _state["file"] = fh
+    try:
+        signal.signal(SIGNAL, _answer)
+    except ValueError:     # not the main thread: only C's handler can answer
+        faulthandler.register(SIGNAL, file=fh, all_threads=True, chain=False)
+    if SIGNAL_HELD is not None:
+        faulthandler.register(SIGNAL_HELD, file=fh, all_threads=True, chain=False)
+
+
+def _answer(signum: int, frame) -> None:
+    """SIGNAL's handler (main thread, GIL held): every thread's stack."""
+    fh = _state.get("file")
+    if fh is not None:
+        try:
+            faulthandler.dump_traceback(file=fh, all_threads=True)
+        except (OSError, ValueError):
+            pass       # (the file went away: nothing to answer with)
 
 
 def _remove_own(d: str) -> None:
@@ -182,6 +216,7 @@ def gather(d: Optional[str], ranks: Sequence[int], timeout: float = TIMEOUT,
         return list(out.values())
     host = socket.gethostname()
     asked: Dict[int, tuple] = {}      # rank -> (path, offset)
+    pids_of: Dict[int, int] = {}
     for r in ranks:
         rec = _read_pid(d, r)
         if rec is None:
@@ -204,10 +239,21 @@ def gather(d: Optional[str], ranks: Sequence[int], timeout: float = TIMEOUT,
             continue
         out[r].main_ident = main
         asked[r] = (path, offset)
-    deadline = time.monotonic() + timeout
+        pids_of[r] = pid
+    start = time.monotonic()
+    deadline = start + timeout
+    held = SIGNAL_HELD is None        # whether the silent ranks were asked from C
     grown: Dict[int, tuple] = {}      # rank -> (size, when it last grew)
     while asked:
         now = time.monotonic()
+        if not held and now - start >= min(ANSWER_S, timeout / 2):
+            held = True    # a rank that holds the GIL in C code: its stacks from C
+            for r in asked:
+                if r not in grown:
+                    try:
+                        os.kill(pids_of[r], SIGNAL_HELD)
+                    except OSError:
+                        pass
         for r, (path, offset) in list(asked.items()):
             size = _size(path)
             if size > offset:

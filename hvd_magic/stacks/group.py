@@ -86,8 +86,13 @@ class Thread:
         return False
 
 
+#: The module whose signal handler writes a dump: its frames are left out.
+_ANSWERING = os.path.join("stacks", "dump.py")
+
+
 def parse(text: str) -> List[Thread]:
-    """The threads of one dump (several dumps in one text: the last one)."""
+    """The threads of one dump (several dumps in one text: the last one), without the
+    frames of the handler that wrote it."""
     threads: List[Thread] = []
     for line in text.splitlines():
         m = _HEAD.match(line)
@@ -98,7 +103,7 @@ def parse(text: str) -> List[Thread]:
             threads.append(Thread(ident, current=m.group(1) == "Current thread"))
             continue
         m = _FRAME.match(line)
-        if m and threads:
+        if m and threads and not m.group(1).endswith(_ANSWERING):
             threads[-1].frames.append(Frame(m.group(1), int(m.group(2)), m.group(3)))
     return threads
 
