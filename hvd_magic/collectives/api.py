@@ -17,7 +17,7 @@ import numpy as np
 
 from . import ops, progress
 from .errors import OpNotSupportedError
-from .handles import GroupHandle, Handle
+from .handles import NOT_TAKEN, GroupHandle, Handle
 from .ops import Average
 from .negotiation import Ann, allreduce_ann, new_tuple
 from .process_sets import ProcessSet, engine_of, global_process_set
@@ -94,37 +94,65 @@ def allreduce_async_(tensor: Any, name: Optional[str] = None, op: Any = Average,
 _DECIDED: dict = {}
 
 
+def decided_ann(tensor, name, op, prescale, postscale, e) -> Optional[Ann]:
+    """The request of a global-set allreduce whose arguments were decided before (see
+    ``_DECIDED``), counted in the live panel's bytes; None: not seen yet (or not a tensor)."""
+    if name is not None and not (type(name) is str and name):
+        return None
+    try:
+        decided = _DECIDED.get((tensor.dtype, tensor.shape, getattr(tensor, "device", None),
+                                op, prescale, postscale))
+    except (AttributeError, TypeError):       # not a tensor, or an unhashable argument
+        return None
+    if decided is None:
+        return None
+    fields, size = decided
+    progress.allreduce_bytes += size          # the live panel's gradient bytes per step
+    return new_tuple(Ann, (name if name is not None else request_name("allreduce", None, e),)
+                     + fields)
+
+
 def submit_allreduce(tensor, out, name, op, prescale, postscale, urgent=False,
                      process_set=_GLOBAL) -> Handle:
     e = runtime.engine
-    if process_set is _GLOBAL and e is not None and (name is None or type(name) is str and name):
-        try:
-            key = (tensor.dtype, tensor.shape, getattr(tensor, "device", None), op, prescale,
-                   postscale)
-            decided = _DECIDED.get(key)
-        except (AttributeError, TypeError):       # not a tensor, or an unhashable argument
-            decided = key = None
-        if decided is not None:
-            fields, size = decided
-            progress.allreduce_bytes += size      # the live panel's gradient bytes per step
-            return e.submit(new_tuple(Ann, (name if name is not None else request_name(
-                "allreduce", None, e),) + fields), tensor, out, urgent=urgent)
-    else:
-        key = None
+    if process_set is _GLOBAL and e is not None:
+        ann = decided_ann(tensor, name, op, prescale, postscale, e)
+        if ann is not None:
+            return e.submit(ann, tensor, out, urgent=urgent)
     dtype, shape, device = check_tensor(tensor, "allreduce")
-    op = ops.to_op(op)
-    ops.check_op_dtype(op, dtype)
+    op_ = ops.to_op(op)
+    ops.check_op_dtype(op_, dtype)
     eng = engine_of(process_set)
-    ann = allreduce_ann(request_name("allreduce", name, eng), dtype, shape, int(op),
+    ann = allreduce_ann(request_name("allreduce", name, eng), dtype, shape, int(op_),
                         scale_factor(prescale, "prescale_factor"), scale_factor(postscale, "postscale_factor"),
                         device)
     size = math.prod(shape) * ops.np_dtype(dtype).itemsize
-    if key is not None and eng is e:
-        if len(_DECIDED) > 4096:
-            _DECIDED.clear()
-        _DECIDED[key] = (ann[1:], size)
+    if eng is e:
+        try:
+            key = (tensor.dtype, tensor.shape, getattr(tensor, "device", None), op, prescale,
+                   postscale)
+            if len(_DECIDED) > 4096:
+                _DECIDED.clear()
+            _DECIDED[key] = (ann[1:], size)
+        except TypeError:                     # an unhashable argument: decided per call
+            pass
     progress.allreduce_bytes += size
     return eng.submit(ann, tensor, out, urgent=urgent)
+
+
+def run_allreduce(tensor, out, name, op, prescale, postscale, process_set=_GLOBAL) -> Any:
+    """A blocking allreduce: on the engine's short path (:meth:`Engine.run_now`) when the
+    request was decided and carried out before, else submitted and waited for."""
+    e = runtime.engine
+    if process_set is _GLOBAL and e is not None and e.short_path:
+        ann = decided_ann(tensor, name, op, prescale, postscale, e)
+        if ann is not None:
+            res = e.run_now(ann, tensor, out)
+            if res is NOT_TAKEN:
+                return e.submit(ann, tensor, out, urgent=True).wait()
+            return res.wait() if type(res) is Handle else res
+    return submit_allreduce(tensor, out, name, op, prescale, postscale, True,
+                            process_set).wait()
 
 
 def allreduce(tensor: Any, name: Optional[str] = None, op: Any = Average,
@@ -143,16 +171,14 @@ def allreduce(tensor: Any, name: Optional[str] = None, op: Any = Average,
         rank 1: allreduce(np.array([3., 4.]))            -> [2., 3.]
         rank 0: allreduce(np.array([1., 2.]), op=hvd.Sum) -> [4., 6.]
     """
-    return submit_allreduce(tensor, None, name, op, prescale_factor, postscale_factor, True,
-                            process_set).wait()
+    return run_allreduce(tensor, None, name, op, prescale_factor, postscale_factor, process_set)
 
 
 def allreduce_(tensor: Any, name: Optional[str] = None, op: Any = Average,
                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> Any:
     """In-place :func:`allreduce`: ``tensor`` holds the result and is returned."""
-    return submit_allreduce(tensor, tensor, name, op, prescale_factor, postscale_factor, True,
-                            process_set).wait()
+    return run_allreduce(tensor, tensor, name, op, prescale_factor, postscale_factor, process_set)
 
 
 # ---------------------------------------------------------------- allgather

@@ -31,10 +31,10 @@ from . import autotune
 from .codec import AnnCodec, CycleCache, KeptCycle
 from .config import Config
 from .errors import HvdError, RankLostError, ShutdownError, rank_lost_error
-from .exchange import SLOT, SlotExchange
+from .exchange import SLOT, BitExchange, SlotExchange
 from .execute import Executor
 from .fusion import plan_fusion
-from .handles import Handle, LocalReq
+from .handles import NOT_TAKEN, Handle, LocalReq
 from .interrupts import defer_sigint, restore_sigint
 from .negotiation import Ann, Negotiator, RankMsg, new_tuple
 from .response_cache import ResponseCache
@@ -76,7 +76,9 @@ class Engine:
         self._queued: dict = {}      # slot -> deque of later LocalReqs of that slot
         self._invalid: list = []     # slots to invalidate in the next message
         self._demoted: set = set()   # slots this rank asked to invalidate (waited too long)
-        self._vec = None             # the bit vector's receive buffer, reused
+        self.bits = BitExchange(comm)  # the vector's allreduce, every cycle's
+        self._now: dict = {}          # run_now: slot -> (its bits alone, the backend's way)
+        self._now_version = -1        # ... for this version of the response cache
         self._plans: dict = {}       # (cache version, ready slots) -> fusion plan
         # The engine thread sleeps on ``_bell`` (a lock used as a doorbell: released = rung).
         # Plain locks are C-level and release the GIL while blocked, keeping hand-offs cheap.
@@ -119,6 +121,8 @@ class Engine:
                                  self.take, self.take_join, self.me, set_id)
         self._execute = self.executor.execute
         self.mpi_backend = self.executor.mpi_backend
+        # run_now may run: cycles on the caller's thread, CPU tensors over MPI, bits
+        self.short_path = bool(self.inline and self.executor.cpu_mpi and self.cache is not None)
         # CPU tensors this big are reduced alone, never fused (plan_fusion)
         self._alone = config.allreduce_chunk if config.cpu_operations == "mpi" else 0
         self.tuner, self.tune_status = autotune.for_engine(config, self.rank, set_id)
@@ -152,7 +156,7 @@ class Engine:
         if ann.device != "cpu" and self.inline:
             # CUDA tensors: NCCL's streams and the current device are set up on the engine
             # thread; from now on every cycle runs there.
-            self.inline = False
+            self.inline = self.short_path = False
         if ann.name not in self.sites and ".noname." not in ann.name:
             # where the user's code first submitted this name, for the stall report (once
             # per name: a training loop's names repeat; unnamed calls wait where they are)
@@ -165,6 +169,79 @@ class Engine:
                 return handle   # the caller waits at once: Handle.wait runs or rings the cycle
         self._ring()
         return handle
+
+    def run_now(self, ann: Ann, tensor: Any, out: Any = None) -> Any:
+        """A blocking allreduce of a CPU tensor in a training loop's steady state, run on
+        the caller's thread with none of the general path's bookkeeping: when this rank
+        has nothing else under way and the response cache holds the request (every rank
+        carried it out before), the caller posts the cycle's bit vector itself, and when
+        every rank has the same bit and nothing else to say, runs the data's allreduce at
+        once. The vector is the one the general path would send for this request alone,
+        so ranks on either path meet alike.
+
+        Returns the result; or a :class:`Handle` to wait on, when the cycle did not bring
+        the result at once (the request then waits as any other); or ``NOT_TAKEN`` when
+        nothing was done (submit it)."""
+        if (self.inflight or self._px is not None or self._join is not None or self._invalid
+                or self._cancels or self._shutdown_announce or self._tune_out or self.tl.active
+                or self.dead is not None or self._stop_requested or not self.short_path
+                or ann.device != "cpu" or (self.tuner is not None and self.tuner.active)):
+            return NOT_TAKEN
+        lock = self._cycle_lock
+        if not lock.acquire(False):
+            return NOT_TAKEN
+        neg, cache = self.neg, self.cache
+        slot = cache.slot(ann)
+        if (slot is None or self.inflight or self._px is not None or neg.joined or neg.shut
+                or ann.name in neg.pending):        # (another user thread, or news: in turn)
+            lock.release()
+            return NOT_TAKEN
+        if self._now_version != cache.version:
+            self._now_version, self._now = cache.version, {}
+        now = self._now.get(slot)
+        if now is None:
+            now = self._now[slot] = (cache.vector(True, (slot,)).tobytes(),
+                                     self.mpi_backend.one(ann, self.size))
+        vec, reduce_now = now
+        bits = self.bits
+        if len(vec) != 8 * bits.words:
+            bits.buffer(len(vec) // 8)
+        deferred = defer_sigint()
+        try:
+            self._in_cycle_since = time.monotonic()
+            bits.send_bytes[:] = vec
+            req = bits.start()
+            recv = bits.recv
+            done = req.Test()
+            if not done:
+                t0 = time.perf_counter()
+                while not done and time.perf_counter() - t0 < INLINE_SPIN_S:
+                    done = req.Test()
+            if done and recv[0] and recv[1 + (slot >> 6)]:     # every rank: this bit alone
+                self._in_cycle_since = 0.0
+                self.cycles += 1
+                self._empty_streak = 0
+                cache.hits += 1
+                try:
+                    return reduce_now(tensor, out)
+                except Exception as exc:  # noqa: BLE001 - as the general path reports it
+                    raise HvdError(f"allreduce of {ann.name} failed on rank {self.me}: {exc!r}") from None
+            # the general path takes the request from here: the posted cycle, as if its
+            # message had been taken (the caller's wait finishes the cycle)
+            handle = Handle(ann.name, ann.kind, self)
+            self.inflight[ann.name] = self._cached[slot] = LocalReq(ann, tensor, handle, out)
+            self._px = (req, QUIET_DATA, False, recv)
+            self._urgent = True
+            return handle
+        except HvdError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - MPI failed: the engine thread reports
+            self._inline_exc = exc    # it, stops and fails every pending request
+            self._ring()
+            raise HvdError(f"allreduce of {ann.name} failed on rank {self.me}: {exc!r}") from None
+        finally:
+            lock.release()
+            restore_sigint(deferred)
 
     def submit_join(self) -> Handle:
         handle = Handle("join", "join", self)
@@ -255,6 +332,9 @@ class Engine:
             self._fail_all(ShutdownError("hvd_magic was shut down before this request finished"))
             if self.writer is not None:
                 self.writer.close()
+            if self._cycle_lock.acquire(True, 1.0):   # (not while a caller's cycle runs)
+                self.bits.free()
+                self._cycle_lock.release()
             self.executor.close()
             self.stopped.set()
 
@@ -541,11 +621,9 @@ class Engine:
             self._px = (self.wire.post(data), data, cacheable, None)
             self.exchanges += 1
             return
-        vec = self.cache.vector(quiet, self._cached)
-        if self._vec is None or len(self._vec) != len(vec):
-            self._vec = np.empty_like(vec)
-        self._vec_sent = vec         # (MPI reads it until the request completes)
-        self._px = (self.comm.Iallreduce(vec, self._vec, op=MPI.BAND), data, cacheable, self._vec)
+        bits = self.bits
+        self.cache.vector(quiet, self._cached, out=bits.buffer(self.cache.words()))
+        self._px = (bits.start(), data, cacheable, bits.recv)
 
     def _finish_exchange(self, done: bool = False) -> tuple:
         """Complete the posted cycle (``done``: its request is known to be complete):
@@ -656,6 +734,7 @@ class Engine:
                     self.inflight.pop(r.ann.name)
             for r in local:
                 r.handle.resolve(error=sc.local_error(r, now, since))
+
 
 
 #: The message of a rank with nothing to say beyond its cached requests' bits.

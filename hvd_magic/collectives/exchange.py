@@ -63,3 +63,51 @@ class SlotExchange:
         if as_bytes:
             return tuple([v.tobytes() for v in views]), True
         return views, False
+
+
+class BitExchange:
+    """The response cache's bit vector of each cycle (:mod:`.response_cache`): one
+    allreduce (bitwise AND) of ``words`` 64-bit words over ``comm``, a persistent one where
+    the communicator has them (MPI; its set-up is made once instead of on every call).
+
+    MPI matches a persistent collective only with the same persistent collective of the
+    other ranks, made in the same order, so every cycle of every rank starts this one
+    request, and a new one is made when the vector's length changes: at the same cycle on
+    every rank, since every rank's response cache changes alike."""
+
+    def __init__(self, comm: MPI.Comm):
+        self.comm = comm
+        self.persistent = hasattr(comm, "Allreduce_init")
+        self.words = 0
+        self.send = self.recv = np.zeros(0, dtype=np.uint64)
+        self.send_bytes = memoryview(b"")
+        self._req = None
+
+    def buffer(self, words: int) -> np.ndarray:
+        """The send vector of the next cycle, of ``words`` words (filled by the caller)."""
+        if words != self.words:
+            self.free()
+            self.words = words
+            self.send = np.zeros(words, dtype=np.uint64)
+            self.recv = np.zeros(words, dtype=np.uint64)
+            self.send_bytes = memoryview(self.send).cast("B")
+            if self.persistent:
+                self._req = self.comm.Allreduce_init(self.send, self.recv, op=MPI.BAND)
+        return self.send
+
+    def start(self) -> MPI.Request:
+        """Start the cycle's allreduce of the send vector into :attr:`recv`."""
+        req = self._req
+        if req is None:
+            return self.comm.Iallreduce(self.send, self.recv, op=MPI.BAND)
+        req.Start()
+        return req
+
+    def free(self) -> None:
+        """Let the persistent request go (none may be in flight)."""
+        req, self._req = self._req, None
+        if req is not None:
+            try:
+                req.Free()
+            except Exception:  # noqa: BLE001 - best effort (the communicator may be gone)
+                pass

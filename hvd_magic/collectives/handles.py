@@ -17,6 +17,10 @@ from . import ops
 from .negotiation import Ann
 
 
+#: What :meth:`.engine.Engine.run_now` returns when it did nothing (then submit).
+NOT_TAKEN = object()
+
+
 class Resolver(Protocol):
     """What a handle waits through (the engine)."""
 
@@ -76,7 +80,8 @@ class Handle:
 
 
 class LocalReq:
-    """One request on this rank: the agreed metadata plus this rank's tensor."""
+    """One request on this rank: the agreed metadata plus this rank's tensor (``handle``
+    None: run at once on the caller's thread, :meth:`.engine.Engine.run_now`)."""
 
     __slots__ = ("ann", "tensor", "out", "handle", "t_submit", "result", "_src")
 
@@ -109,8 +114,9 @@ class LocalReq:
 
     def set_array(self, arr: Any, dtype: str, rows: Any = None) -> None:
         """Store the result (numpy carrying ``dtype``, or a torch tensor) in the user's type
-        as ``result``."""
-        self.handle.extra = rows
+        as ``result``; ``rows`` go to the handle (a request run without one has none)."""
+        if rows is not None:
+            self.handle.extra = rows
         if arr is self.out or (self.out is None and type(self.tensor) is np.ndarray
                                and type(arr) is np.ndarray):
             self.result = arr      # (reduced in place, or numpy in and out: as it is)

@@ -39,7 +39,7 @@ from typing import Optional
 import numpy as np
 
 from .codec import split_noname
-from .negotiation import Ann, Response, new_tuple
+from .negotiation import Ann, Response
 
 KEPT_KINDS = frozenset(("allreduce", "reducescatter", "broadcast"))
 
@@ -63,13 +63,19 @@ class ResponseCache:
         return resp.error is None and resp.kind in KEPT_KINDS and not resp.joined
 
     @staticmethod
-    def key(ann: Ann) -> Ann:
+    def key(ann: Ann) -> tuple:
         """What a request is kept under: itself, or for an unnamed call the same request
         without its number (``allreduce.noname.7.2`` -> ``allreduce.noname`` + ``.2``)."""
-        if ".noname." not in ann[0]:
+        name = ann[0]
+        if ".noname." not in name:
             return ann
-        head, _, rest = split_noname(ann[0])
-        return new_tuple(Ann, (f"{head}\0{rest}",) + ann[1:])
+        head, _, num = name.rpartition(".")
+        if num.isdigit() and head.endswith(".noname") and ".noname." not in head:
+            key = head + "\0"                            # (the usual kind.noname.N)
+        else:
+            head, _, rest = split_noname(name)           # (kind.noname.N.suffix)
+            key = f"{head}\0{rest}"
+        return (key,) + ann[1:]          # (a plain tuple: a key, not a request)
 
     def slot(self, ann: Ann) -> Optional[int]:
         """The slot this request is announced by, or None."""

@@ -90,6 +90,37 @@ def _():
         FAILS.append(f"only {eng.cache.hits - hits} unnamed calls from the response cache")
 
 
+@check("blocking calls on the short path, beside ranks on the general one or late")
+def _():
+    eng = state.engine()
+    x = np.linspace(0.1, 1.7, 33, dtype=np.float32) * np.float32((r + 1) / 3)  # inexact sums
+    y = x.copy()
+    for _ in range(2):                 # negotiated, then cached
+        hvd.allreduce(x, name="sp")
+        hvd.allreduce_(y, name="sp.inplace")
+        hvd.synchronize(hvd.allreduce_async(np.ones(2), name="sp.other", op=hvd.Sum))
+    hits, outs = eng.cache.hits, []
+    for step in range(12):
+        other = None
+        if r == 0 and step % 2:        # something else under way here: the general path
+            other = hvd.allreduce_async(np.ones(2), name="sp.other", op=hvd.Sum)
+        if r == n - 1 and step % 3 == 2:
+            time.sleep(0.05)           # a late rank: the others' cycle waits for it
+        y[:] = x
+        outs += [hvd.allreduce(x, name="sp"), hvd.allreduce_(y, name="sp.inplace").copy()]
+        if other is None:
+            other = hvd.allreduce_async(np.ones(2), name="sp.other", op=hvd.Sum)
+        close(f"short path step {step} other", hvd.synchronize(other), np.full(2, float(n)))
+    want = np.linspace(0.1, 1.7, 33, dtype=np.float32) * sum(np.float32((k + 1) / 3) for k in range(n)) / n
+    for i, got in enumerate(outs):
+        close(f"short path result {i}", got, want, atol=1e-5)
+    every = hvd.allgather(np.concatenate(outs)[None, :])
+    if any(every[k].tobytes() != every[0].tobytes() for k in range(n)):
+        FAILS.append("the short path's results differ in their bits across ranks")
+    if eng.cache.hits - hits < 12 * 3:
+        FAILS.append(f"only {eng.cache.hits - hits} requests from the response cache, not 36")
+
+
 @check("mismatches after caching are reported at once")
 def _():
     hvd.shutdown()

@@ -20,6 +20,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import ops
+from ..handles import LocalReq
 from ..adasum import adasum_allreduce
 from ..ops import ReduceOp
 from ..timeline import MEMCPY_IN, MEMCPY_OUT, now_us
@@ -287,6 +288,60 @@ class MPIBackend:
                 self.tl.add(ann.name, MEMCPY_IN, t0, t1 - t0)
                 self.tl.add(ann.name, f"{self.prefix}_ALLREDUCE", t1, t2 - t1, args)
                 self.tl.add(ann.name, MEMCPY_OUT, t2, t3 - t2)
+
+    def one(self, ann: Any, n_contrib: int) -> Any:
+        """How one request with ``ann``'s metadata is reduced at once, decided once for every
+        later call with the same metadata (:meth:`.engine.Engine.run_now`): a function
+        ``run(tensor, out) -> result``. A small contiguous numpy array of a plain type (or
+        such a CPU torch tensor, in place) is reduced by one MPI call with the same arithmetic as :meth:`_allreduce_one` (every
+        rank gets the same bits whichever way it took), with none of its checks; anything
+        else goes through :meth:`allreduce`."""
+        dtype, op = ann.dtype, _OPS[ann.op]
+        red = (_DTYPES.get(dtype) or _dtypes(dtype))[0]
+
+        def run(tensor: Any, out: Any) -> Any:
+            req = LocalReq(ann, tensor, None, out)
+            self.allreduce([(req, ann)], n_contrib)
+            return req.result
+
+        if not (ann.op != _ADASUM and ann.prescale == 1.0 and red.kind in "fiu"
+                and math.prod(ann.shape) * red.itemsize < SHM_MIN
+                and (red.kind == "f" or (op != _AVERAGE and ann.postscale == 1.0))):
+            return run
+        mop, allreduce, shape = self.ops[(ann.op, dtype)], self.comm.Allreduce, ann.shape
+        average = op == _AVERAGE
+        inplace_scale = ann.postscale / n_contrib if average else ann.postscale
+        inplace_scale = red.type(inplace_scale) if inplace_scale != 1.0 else None
+        copy_scale = red.type(ann.postscale) if ann.postscale != 1.0 else None
+        pre = 1.0 / n_contrib if average else None     # out of place: the 1/n rides on the copy
+
+        def run_plain(tensor: Any, out: Any) -> Any:
+            if type(tensor) is not np.ndarray or tensor.dtype is not red or not tensor.flags.c_contiguous:
+                if out is tensor and ops.is_torch(tensor) and tensor.is_contiguous():
+                    # a CPU torch tensor in place: reduced in its own memory, as numpy
+                    view = tensor.detach().numpy()
+                    allreduce(_IN_PLACE, view, op=mop)
+                    if inplace_scale is not None:
+                        np.multiply(view, inplace_scale, out=view)
+                    return tensor
+                return run(tensor, out)
+            if out is tensor:
+                allreduce(_IN_PLACE, tensor, op=mop)
+                if inplace_scale is not None:
+                    np.multiply(tensor, inplace_scale, out=tensor)
+                return tensor
+            if out is not None:
+                return run(tensor, out)
+            res = np.empty(shape, red)
+            if pre is not None:
+                np.multiply(tensor, pre, out=res, casting="unsafe")
+            else:
+                np.copyto(res, tensor)
+            allreduce(_IN_PLACE, res, op=mop)
+            if copy_scale is not None:
+                np.multiply(res, copy_scale, out=res)
+            return res
+        return run_plain
 
     def _adasum(self, req: Optional[Any], ann: Any) -> None:
         adasum_request(self.comm, self.tl, self.prefix, req, ann)
