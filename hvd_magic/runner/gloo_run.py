@@ -3,10 +3,13 @@
 hvdrun starts every rank itself, with torchrun's variables (``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``GROUP_WORLD_SIZE``, ``MASTER_ADDR``,
 ``MASTER_PORT``) and Horovod's (``HOROVOD_RANK``, ...), so ``hvd.init()`` chooses the gloo
-controller (:mod:`hvd_magic.collectives.controller`); hvdrun itself keeps the rendezvous
-store, on 127.0.0.1 at a port the system picks. The ranks' output passes
-through, as under ``mpiexec``; when a rank fails (nonzero exit or a signal) the others are
-stopped and hvdrun names it and exits with its status.
+controller (:mod:`hvd_magic.collectives.controller`). On one host hvdrun keeps the
+rendezvous store at a port the system picks and the ranks meet on 127.0.0.1. With ``-H`` or
+``--hostfile`` naming other hosts, each rank starts under :mod:`.gloo_nanny` on its host
+(through the ssh agent, as :mod:`.gloo_plan` plans it) and the ranks meet at the first host.
+The ranks' output passes through, as under ``mpiexec``; when a rank fails (nonzero exit, a
+signal, or a lost connection) the others are stopped, on every host, and hvdrun names it
+(and its host) and exits with its status.
 """
 from __future__ import annotations
 
@@ -21,6 +24,9 @@ import time
 from typing import Dict, List, Mapping, Optional, Sequence
 
 from .. import config
+from .gloo_nanny import EXIT_MARK
+from .gloo_plan import RankStart, exit_text, hosts_text, place, plan_hosts
+from .launch import local_names
 from .plan import LaunchArgs, horovod_env, is_single_host
 
 #: Seconds a rank may take to end after SIGTERM before it is killed.
@@ -51,24 +57,20 @@ def rank_envs(np: int, base: Mapping[str, str], addr: str, port: int) -> List[Di
 
 
 def check(args: LaunchArgs) -> None:
-    """ValueError for what ``--gloo`` does not do (yet)."""
-    if args.hosts is not None and not is_single_host(args):
-        raise ValueError("--gloo runs the ranks on this host only; on several hosts run "
-                         "`torchrun --nnodes N --node-rank I --rdzv-endpoint HOST:PORT "
-                         "--nproc-per-node K train.py` on each host (the same gloo controller), "
-                         "or hvdrun without --gloo (MPI)")
+    """ValueError for what ``--gloo`` does not do."""
     if args.min_np is not None or args.max_np is not None or args.host_discovery_script:
         raise ValueError("elastic training (--min-np, --max-np, --host-discovery-script) needs "
                          "MPI: leave out --gloo")
-    if args.hostfile is not None:
-        raise ValueError("--hostfile needs MPI (several hosts): leave out --gloo")
 
 
 def run(args: LaunchArgs, env: Optional[Mapping[str, str]] = None) -> int:
-    """Start ``args.np`` ranks of ``args.command`` here and wait for them; the job's exit
-    code (128+N when a rank was killed by signal N)."""
+    """Start ``args.np`` ranks of ``args.command`` (here, or on ``args.hosts``) and wait for
+    them; the job's exit code (128+N when a rank was killed by signal N)."""
     check(args)
     base = dict(os.environ if env is None else env)
+    names = local_names()
+    if not is_single_host(args, names):
+        return run_hosts(args, base, names)
     base.update(horovod_env(args))
     base.update(args.extra_env)
     store = rendezvous_store(args.np)
@@ -162,3 +164,188 @@ def _stop_all(procs: List[subprocess.Popen]) -> None:
             except ProcessLookupError:
                 pass
             p.wait(5)
+
+
+# ---------------------------------------------------------------------------- several hosts
+def is_this_machine(name: str) -> bool:
+    """Whether ``name`` is an address of this machine (one of its addresses can be bound)."""
+    try:
+        infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, _, _, _, sockaddr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((sockaddr[0], 0) + tuple(sockaddr[2:]))
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def free_port() -> int:
+    """A port free here now (for a rendezvous on another host: the best guess there is)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def run_hosts(args: LaunchArgs, base: Mapping[str, str], names=None,
+              timeout: Optional[float] = None) -> int:
+    """``hvdrun --gloo -H ...``: every rank under :mod:`.gloo_nanny`, on this machine or
+    through the ssh agent (:func:`.gloo_plan.plan_hosts`); the ranks meet at the first
+    host. When that host is this machine hvdrun keeps the rendezvous store there (it
+    outlives every rank), else rank 0 keeps it at a port that is free here."""
+    names = local_names() if names is None else names
+    first = place(args.hosts or [], args.np)[0].host
+    store = rendezvous_store(args.np) if first in names or is_this_machine(first) else None
+    port = store.port if store is not None else free_port()
+    starts = plan_hosts(args, base, cwd=os.getcwd(), port=port, store_here=store is not None,
+                        local_names=names)
+    if args.verbose:
+        sys.stderr.write(f"hvdrun --gloo: {args.np} ranks of {' '.join(args.command)} on "
+                         f"{hosts_text(starts)} (rendezvous {first}:{port}, the store kept "
+                         f"by {'hvdrun' if store is not None else 'rank 0'})\n")
+        sys.stderr.flush()
+    return supervise_hosts(starts, timeout)
+
+
+class _Rank:
+    """One started rank: its process here (the nanny, or the agent that reaches it) and
+    how it ended (``status`` as the nanny reported it; None: no report)."""
+
+    def __init__(self, start: RankStart, proc: subprocess.Popen) -> None:
+        self.start, self.proc = start, proc
+        self.status: Optional[int] = None
+        self.reported = threading.Event()
+
+    def ask(self, text: Optional[str]) -> None:
+        """Send the nanny a line (a signal number), or end its input (None: stop the rank)."""
+        try:
+            if text is None:
+                self.proc.stdin.close()
+            else:
+                self.proc.stdin.write(text.encode() + b"\n")
+                self.proc.stdin.flush()
+        except (OSError, ValueError):     # the connection is gone already
+            pass
+
+
+def _pump_stdout(rank: _Rank, ended: "queue.Queue[int]") -> None:
+    """The rank's stdout to ours, but the nanny's exit line, which says how it ended."""
+    out = sys.stdout
+    for raw in iter(rank.proc.stdout.readline, b""):
+        line = raw.decode(errors="replace")
+        before, mark, after = line.partition(EXIT_MARK + " status=")
+        if mark and after.strip().lstrip("-").isdigit() and not rank.reported.is_set():
+            rank.status = int(after.strip())
+            rank.reported.set()
+            ended.put(rank.start.place.rank)
+            line = before + "\n" if before else ""
+        if line:
+            out.write(line)
+            out.flush()
+    if not rank.reported.is_set():
+        rank.reported.set()
+        ended.put(rank.start.place.rank)
+
+
+def _pump_stderr(rank: _Rank) -> None:
+    for raw in iter(rank.proc.stderr.readline, b""):
+        sys.stderr.write(raw.decode(errors="replace"))
+        sys.stderr.flush()
+
+
+def supervise_hosts(starts: Sequence[RankStart], timeout: Optional[float] = None) -> int:
+    """Start every rank of ``starts`` and watch them until all have ended; the first that
+    fails (or is lost) ends the job: hvdrun names it and its host and stops the others on
+    every host. SIGINT/SIGTERM to hvdrun go to every rank."""
+    ranks: List[_Rank] = []
+    previous: Dict[int, object] = {}
+    stopping: List[int] = []
+    ended: "queue.Queue[int]" = queue.Queue()
+
+    def forward(signum: int, _frame: object) -> None:
+        stopping.append(signum)
+        for r in ranks:
+            r.ask(str(signum))
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, forward)
+    try:
+        for s in starts:
+            proc = subprocess.Popen(s.argv, env=s.env, stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    start_new_session=True)
+            rank = _Rank(s, proc)
+            ranks.append(rank)
+            threading.Thread(target=_pump_stdout, args=(rank, ended), daemon=True).start()
+            threading.Thread(target=_pump_stderr, args=(rank,), daemon=True).start()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        left, worst = len(ranks), 0
+        while left:
+            try:
+                r = ended.get(timeout=1.0)
+            except queue.Empty:
+                if deadline is not None and time.monotonic() > deadline:
+                    _stop_ranks(ranks)
+                    raise TimeoutError(f"the job ran past timeout={timeout:g} s and was stopped")
+                continue
+            left -= 1
+            rank = ranks[r]
+            if rank.status == 0:
+                continue
+            agent = None
+            if rank.status is None:
+                try:
+                    agent = rank.proc.wait(2.0)
+                except subprocess.TimeoutExpired:
+                    pass
+            what, code = exit_text(rank.status, agent)
+            if not stopping and worst == 0:
+                sys.stderr.write(f"hvdrun: rank {r} on {rank.start.place.host} {what}; "
+                                 "stopping the other ranks\n")
+                sys.stderr.flush()
+                _stop_ranks(ranks)
+            if worst == 0:
+                worst = code
+        return worst
+    except BaseException:
+        _stop_ranks(ranks)
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        for rank in ranks:
+            _reap(rank.proc)
+
+
+def _stop_ranks(ranks: List[_Rank]) -> None:
+    """End every rank's input (its nanny stops it: SIGTERM, then SIGKILL after its grace);
+    a rank that has not reported within ``GRACE_S`` + 10 s more loses its connection (the
+    agent here is killed), which a nanny takes as the same request."""
+    for r in ranks:
+        r.ask(None)
+    end = time.monotonic() + GRACE_S + 10.0
+    for r in ranks:
+        if not r.reported.wait(max(0.1, end - time.monotonic())):
+            try:
+                os.killpg(r.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    """Collect the process started here (a nanny, or an agent); kill it if it lingers."""
+    try:
+        proc.wait(GRACE_S)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
