@@ -209,3 +209,27 @@ def test_a_host_the_agent_cannot_reach_ends_the_job_naming_it(two_hosts, _torch)
            "an exit status (the agent exited with status 255); check that the host is up and " \
            "that the ssh agent reaches it; stopping the other ranks" in proc.stderr, why
     assert not two_hosts.leftovers(wait=3.0)
+
+
+@pytest.mark.slow
+@pytest.mark.multihost
+def test_uneven_hosts_give_horovods_local_and_cross_ranks(two_hosts, _torch):
+    """-np 3 -H A:2,B:1: ranks 0-1 on A, 2 on B; hvd.local_rank()/local_size() from the
+    placement, hvd.cross_rank()/cross_size() Horovod's (among the ranks with the same local
+    rank: rank 1, alone with local rank 1, has cross size 1)."""
+    import json
+    proc = _hvdrun_gloo(two_hosts, "-np", "3", "-H", f"{two_hosts.a.ip}:2,{two_hosts.b.ip}:1",
+                        "--network-interface", "hvd0", PY, "-c",
+                        "import json, os, torch, hvd_magic.torch as hvd\n"
+                        "hvd.init()\n"
+                        "s = hvd.allreduce(torch.ones(1), op=hvd.Sum, name='s').item()\n"
+                        "print('PROBE ' + json.dumps([hvd.rank(), os.uname().nodename, "
+                        "hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size(), "
+                        "s]), flush=True)\n", timeout=150)
+    why = f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}\nagent:\n{two_hosts.agent_calls()}"
+    assert proc.returncode == 0, why
+    got = sorted(json.loads(line[6:]) for line in proc.stdout.splitlines()
+                 if line.startswith("PROBE "))
+    a, b = two_hosts.a.ns, two_hosts.b.ns
+    assert got == [[0, a, 0, 2, 0, 2, 3.0], [1, a, 1, 2, 0, 1, 3.0], [2, b, 0, 1, 1, 2, 3.0]], why
+    assert not two_hosts.leftovers(wait=3.0)

@@ -114,14 +114,19 @@ def init_process_group() -> None:
 
 def topology(rank: int, size: int) -> tuple:
     """(local_rank, local_size, cross_rank, cross_size) from the launcher's variables
-    (torchrun's LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE); without them
+    (torchrun's LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE; hvdrun --gloo's
+    HOROVOD_CROSS_RANK and HOROVOD_CROSS_SIZE first); without them
     (a process group the user set up otherwise) the ranks on one host are those with the
     same host name (one allgather)."""
     e = os.environ
     if e.get("LOCAL_RANK") and e.get("LOCAL_WORLD_SIZE"):
         local_rank, local_size = int(e["LOCAL_RANK"]), int(e["LOCAL_WORLD_SIZE"])
-        cross_rank = int(e.get("GROUP_RANK") or rank // max(local_size, 1))
-        cross_size = int(e.get("GROUP_WORLD_SIZE") or max(1, size // max(local_size, 1)))
+        # Horovod's cross rank (among the ranks with the same local rank) where hvdrun --gloo
+        # set it: it differs from torchrun's node rank when hosts run unequal numbers of ranks
+        cross_rank = int(e.get("HOROVOD_CROSS_RANK") or e.get("GROUP_RANK")
+                         or rank // max(local_size, 1))
+        cross_size = int(e.get("HOROVOD_CROSS_SIZE") or e.get("GROUP_WORLD_SIZE")
+                         or max(1, size // max(local_size, 1)))
         return local_rank, local_size, cross_rank, cross_size
     import socket
     _, dist = _dist()

@@ -264,8 +264,8 @@ OPTIONS: Tuple[Option, ...] = (
            (HVDRUN,) + POOL, action="store_true"),
     Option(("--gloo",), "gloo",
            "start the ranks without MPI: hvd.init() coordinates over torch.distributed "
-           "(gloo; NCCL for CUDA tensors), as under torchrun (this host only)", (HVDRUN,),
-           action="store_true"),
+           "(gloo; NCCL for CUDA tensors), as under torchrun; with -H/--hostfile over ssh",
+           (HVDRUN,), action="store_true"),
     Option(("--timeline-filename",), "timeline_filename",
            "write a Horovod timeline (HOROVOD_TIMELINE)", (HVDRUN,), metavar="F"),
     Option(("--fusion-threshold-mb",), "fusion_threshold_mb",
