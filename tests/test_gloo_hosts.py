@@ -233,3 +233,21 @@ def test_uneven_hosts_give_horovods_local_and_cross_ranks(two_hosts, _torch):
     a, b = two_hosts.a.ns, two_hosts.b.ns
     assert got == [[0, a, 0, 2, 0, 2, 3.0], [1, a, 1, 2, 0, 1, 3.0], [2, b, 0, 1, 1, 2, 3.0]], why
     assert not two_hosts.leftovers(wait=3.0)
+
+
+@pytest.mark.slow
+@pytest.mark.multihost
+def test_when_the_first_host_is_another_machine_rank_0_keeps_the_store_there(two_hosts, _torch):
+    """hvdrun on A with -H B:1,A:1: rank 0 runs on B, the ranks meet at B's address and
+    rank 0 keeps the rendezvous store; the job still runs to the end."""
+    proc = _hvdrun_gloo(two_hosts, "--verbose", "-np", "2", "-H",
+                        f"{two_hosts.b.ip}:1,{two_hosts.a.ip}:1", "--network-interface", "hvd0",
+                        PY, str(HERE / "mpi" / "controller_probe.py"), timeout=150)
+    why = f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}\nagent:\n{two_hosts.agent_calls()}"
+    assert proc.returncode == 0, why
+    assert f"on {two_hosts.b.ip}: rank 0, {two_hosts.a.ip}: rank 1 (rendezvous " \
+           f"{two_hosts.b.ip}:" in proc.stderr and "kept by rank 0" in proc.stderr, why
+    for r in (0, 1):
+        assert f"probe rank={r} size=2 local=0/1 cross={r}/2 controller=gloo " \
+               "mpi_initialized=False sum=3" in proc.stdout, why
+    assert not two_hosts.leftovers(wait=3.0)

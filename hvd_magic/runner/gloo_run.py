@@ -82,9 +82,10 @@ def run(args: LaunchArgs, env: Optional[Mapping[str, str]] = None) -> int:
 
 
 def rendezvous_store(np: int):
-    """The ranks' rendezvous store, kept by hvdrun (as torchrun's agent keeps its own) on
-    127.0.0.1 at a port the system picks: it outlives every rank, so no rank's exit
-    closes it under the others."""
+    """The ranks' rendezvous store, kept by hvdrun (as torchrun's agent keeps its own) at a
+    port the system picks (torch's store listens on every interface: ranks on other hosts
+    reach it at the first host's address, hvdrun itself over 127.0.0.1): it outlives every
+    rank, so no rank's exit closes it under the others."""
     import datetime
 
     from torch.distributed import TCPStore
