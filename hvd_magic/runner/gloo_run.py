@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import os
 import queue
+import shlex
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence, TextIO
 
 from .. import config
 from .gloo_nanny import EXIT_MARK
@@ -207,6 +208,9 @@ def run_hosts(args: LaunchArgs, base: Mapping[str, str], names=None,
         sys.stderr.write(f"hvdrun --gloo: {args.np} ranks of {' '.join(args.command)} on "
                          f"{hosts_text(starts)} (rendezvous {first}:{port}, the store kept "
                          f"by {'hvdrun' if store is not None else 'rank 0'})\n")
+        for s in starts:
+            sys.stderr.write(f"hvdrun --gloo: rank {s.place.rank}: "
+                             f"{' '.join(shlex.quote(a) for a in s.argv)}\n")
         sys.stderr.flush()
     return supervise_hosts(starts, timeout)
 
@@ -228,33 +232,47 @@ class _Rank:
             else:
                 self.proc.stdin.write(text.encode() + b"\n")
                 self.proc.stdin.flush()
-        except (OSError, ValueError):     # the connection is gone already
-            pass
+        except (OSError, ValueError, RuntimeError):   # the connection is gone already (or
+            pass                                      # a signal came in mid-write: it stops all)
+
+
+#: One rank's line at a time on hvdrun's stdout and stderr (the pumps run in threads).
+_WRITING = threading.Lock()
+
+
+def _write(stream: TextIO, data: bytes) -> None:
+    """``data`` as it came (bytes, when the stream has a buffer), whole, then flushed."""
+    with _WRITING:
+        buffer = getattr(stream, "buffer", None)
+        stream.flush()
+        if buffer is not None:
+            buffer.write(data)
+            buffer.flush()
+        else:
+            stream.write(data.decode(errors="replace"))
+            stream.flush()
 
 
 def _pump_stdout(rank: _Rank, ended: "queue.Queue[int]") -> None:
     """The rank's stdout to ours, but the nanny's exit line, which says how it ended."""
-    out = sys.stdout
-    for raw in iter(rank.proc.stdout.readline, b""):
-        line = raw.decode(errors="replace")
-        before, mark, after = line.partition(EXIT_MARK + " status=")
-        if mark and after.strip().lstrip("-").isdigit() and not rank.reported.is_set():
+    mark = f"{EXIT_MARK} status=".encode()
+    for line in iter(rank.proc.stdout.readline, b""):
+        before, found, after = line.partition(mark)
+        if found and after.strip().lstrip(b"-").isdigit() and not rank.reported.is_set():
             rank.status = int(after.strip())
             rank.reported.set()
             ended.put(rank.start.place.rank)
-            line = before + "\n" if before else ""
+            line = before + b"\n" if before else b""
         if line:
-            out.write(line)
-            out.flush()
+            _write(sys.stdout, line)
     if not rank.reported.is_set():
         rank.reported.set()
         ended.put(rank.start.place.rank)
 
 
 def _pump_stderr(rank: _Rank) -> None:
-    for raw in iter(rank.proc.stderr.readline, b""):
-        sys.stderr.write(raw.decode(errors="replace"))
-        sys.stderr.flush()
+    for line in iter(rank.proc.stderr.readline, b""):
+        _write(sys.stderr, line)
 
 
 def supervise_hosts(starts: Sequence[RankStart], timeout: Optional[float] = None) -> int:
