@@ -31,6 +31,7 @@ examples:
   hvdrun -np 2 python train.py
   hvdrun -np 4 --fusion-threshold-mb 32 --timeline-filename /tmp/tl.json python train.py
   hvdrun -np 8 -H node1:4,node2:4 python train.py
+  hvdrun --gloo -np 8 -H node1:4,node2:4 python train.py   (no MPI: over ssh, torch.distributed)
   hvdrun --check-build
 """
 
