@@ -148,10 +148,12 @@ def _hvdrun_gloo(hosts, *argv: str, timeout: float = 120):
 @pytest.mark.multihost
 def test_readme_example_across_two_hosts_equals_mpi(two_hosts, _torch):
     """`hvdrun --gloo -np 2 -H A:1,B:1` trains the README's example to the weights of
-    `hvdrun -np 2` (MPI, one host), bit for bit; each rank ran on its host, rank 1 on B
-    (reached through the agent), and nothing is left running."""
+    `hvdrun -np 2` (MPI, one host), bit for bit; rank 1 ran on B (reached through the
+    agent), rank 0 on A (hvdrun's own host, started directly), and nothing is left
+    running."""
     from mpi_harness import mpi_env, run_job
     script = str(HERE / "mpi" / "readme_example.py")
+    open(two_hosts.agent_log, "w").close()          # agent_calls(): this test's only
     proc = _hvdrun_gloo(two_hosts, "--verbose", "-np", "2", "-H", two_hosts.hosts_arg,
                         "--network-interface", "hvd0", PY, script, timeout=150)
     why = f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}\nagent:\n{two_hosts.agent_calls()}"
@@ -160,7 +162,9 @@ def test_readme_example_across_two_hosts_equals_mpi(two_hosts, _torch):
     assert "hvdrun-gloo-exit" not in proc.stdout, why
     assert f"{two_hosts.a.ip}: rank 0, {two_hosts.b.ip}: rank 1" in proc.stderr, why
     assert f"rendezvous {two_hosts.a.ip}:" in proc.stderr and "kept by hvdrun" in proc.stderr
-    assert two_hosts.b.ip in two_hosts.agent_calls()
+    # B through the agent; A, this machine's address, directly
+    assert f"agent {two_hosts.b.ip} " in two_hosts.agent_calls()
+    assert f"agent {two_hosts.a.ip} " not in two_hosts.agent_calls(), two_hosts.agent_calls()
     gloo = re.search(r"weights (\[.*\])", proc.stdout).group(1)
     ref = run_job([str(Path(PY).with_name("hvdrun")), "-np", "2", PY, script], mpi_env(), 150,
                   "hvdrun -np 2")

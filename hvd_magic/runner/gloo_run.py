@@ -22,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Dict, List, Mapping, Optional, Sequence, TextIO
+from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence, TextIO
 
 from .. import config
 from .gloo_nanny import EXIT_MARK
@@ -69,7 +69,9 @@ def run(args: LaunchArgs, env: Optional[Mapping[str, str]] = None) -> int:
     them; the job's exit code (128+N when a rank was killed by signal N)."""
     check(args)
     base = dict(os.environ if env is None else env)
-    names = local_names()
+    # this machine's names, and the hosts given by one of its addresses: their ranks start
+    # here directly, not through ssh
+    names = local_names() | {h.name for h in args.hosts or [] if is_this_machine(h.name)}
     if not is_single_host(args, names):
         return run_hosts(args, base, names)
     base.update(horovod_env(args))
@@ -192,15 +194,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_hosts(args: LaunchArgs, base: Mapping[str, str], names=None,
+def run_hosts(args: LaunchArgs, base: Mapping[str, str], names: FrozenSet[str],
               timeout: Optional[float] = None) -> int:
     """``hvdrun --gloo -H ...``: every rank under :mod:`.gloo_nanny`, on this machine or
     through the ssh agent (:func:`.gloo_plan.plan_hosts`); the ranks meet at the first
-    host. When that host is this machine hvdrun keeps the rendezvous store there (it
-    outlives every rank), else rank 0 keeps it at a port that is free here."""
-    names = local_names() if names is None else names
+    host. ``names``: the hosts' names that mean this machine. When the first host is this
+    machine hvdrun keeps the rendezvous store there (it outlives every rank), else rank 0
+    keeps it at a port that is free here."""
     first = place(args.hosts or [], args.np)[0].host
-    store = rendezvous_store(args.np) if first in names or is_this_machine(first) else None
+    store = rendezvous_store(args.np) if first in names else None
     port = store.port if store is not None else free_port()
     starts = plan_hosts(args, base, cwd=os.getcwd(), port=port, store_here=store is not None,
                         local_names=names)
