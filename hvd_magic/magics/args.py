@@ -47,6 +47,7 @@ class CellRequest:
     min_np: Optional[int] = None
     slurm: Optional[Dict[str, Any]] = None    # --slurm: partition, time, nodes, gpus_per_node
     profile: Optional[str] = None             # --profile NAME (a cluster profile)
+    ray: Optional[str] = None                 # --ray [ADDRESS] ("local" without one)
 
 
 @dataclass
@@ -100,6 +101,7 @@ def _pool_fields(values: Dict[str, Any], req: CellRequest) -> None:
     req.oversubscribe = values["oversubscribe"]
     req.min_np, req.np, req.hosts = values["min_np"], values["np"], values["hosts"]
     req.hostfile, req.profile = values["hostfile"], values["profile"]
+    req.ray = values.get("ray")
     if not values["slurm"]:
         return
     from ..runner.slurm import SlurmRequest, check_request

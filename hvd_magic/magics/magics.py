@@ -349,6 +349,8 @@ def _where(req: CellRequest) -> Any:
             where["setup"] = plan.setup
     if req.slurm is not None:
         where["slurm"] = req.slurm
+    if getattr(req, "ray", None) is not None:
+        where["ray"] = req.ray
     return req, where
 
 

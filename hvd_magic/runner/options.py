@@ -71,6 +71,7 @@ class Option:
     type: Optional[Callable[[str], Any]] = None
     check: Optional[Callable[[str, str], Any]] = None     # (text, flag) -> value
     nargs: Any = None
+    const: Any = None                   # the value of a flag given without one (nargs "?")
     group: Optional[str] = None
     needs: Optional[str] = None
     spellings: Mapping[str, Tuple[str, ...]] = field(default_factory=dict)
@@ -245,6 +246,10 @@ OPTIONS: Tuple[Option, ...] = (
            "inside an sbatch/salloc job, hvdrun uses its allocation without this flag",
            PLACING,
            action="store_true", group="where"),
+    Option(("--ray",), "ray",
+           "run the ranks in actors on a Ray cluster: ADDRESS as ray.init takes it (auto, "
+           "HOST:PORT); without one, a Ray started on this machine for the pool",
+           (CELL, START, RESTART), metavar="ADDRESS", nargs="?", const="local", group="where"),
     Option(("--profile",), "profile",
            "a cluster profile (NAME.toml in HVD_MAGIC_PROFILE_DIR or ~/.hvd_magic/profiles): "
            "hosts or Slurm, ranks, network, setup", PLACING, metavar="NAME",
@@ -435,6 +440,8 @@ def add_options(parser: argparse.ArgumentParser, command: str, typed: bool = Tru
             kw.update(metavar=opt.metavar, default=None)
             if opt.nargs is not None:
                 kw["nargs"] = opt.nargs
+            if opt.const is not None:
+                kw["const"] = opt.const
             if typed and opt.type is not None:
                 kw["type"] = opt.type
         else:
@@ -458,6 +465,8 @@ def _word(opt: Option, flag: str) -> str:
     """``-np N``: a flag and its metavar."""
     if not opt.takes_value():
         return flag
+    if opt.nargs == "?":
+        return f"{flag} [{opt.metavar}]"
     meta = opt.metavar if isinstance(opt.metavar, tuple) else (opt.metavar,)
     return " ".join((flag,) + meta)
 

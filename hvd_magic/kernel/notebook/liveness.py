@@ -64,6 +64,7 @@ class Seen:
     engines: Sequence[int] = ()             # rank -> engine id (an elastic pool renumbers)
     cell: Optional[Sequence[RankFailure]] = None    # None while the cell runs, then failures
     targets: Sequence[int] = ()             # the ranks the cell ran on
+    job: str = "the MPI job"                # what a rank's end ends ("the Ray job" on Ray)
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ def stop(seen: Seen, failures: Sequence[RankFailure] = ()) -> Verdict:
     dead = [RankFailure(e.rank, "died", "", e.how) for e in seen.exits] or [
         RankFailure(r, "died", "", ended) for r in unheard] or [
         f for f in failures if f.kind == "died"] or [RankFailure(targets[0], "died", "", ended)]
-    note = ("the MPI job ended, so " if job_over else "") + (
+    note = (f"{seen.job} ended, so " if job_over else "") + (
         "the pool was stopped; the next %%hvd cell starts a new one")
     return Verdict(STOP, lost=tuple(f.rank for f in dead), failures=tuple(dead), ended=ended,
                    text=note)

@@ -81,6 +81,7 @@ class PoolRequest(NamedTuple):
     slurm: Optional[Tuple]          # %%hvd --slurm's options, as sorted (key, value) pairs
     env: Optional[Tuple]            # a profile's variables, as sorted (name, value) pairs
     setup: Tuple[str, ...]          # a profile's set-up lines
+    ray: Optional[str] = None       # --ray's address ("local": a Ray started for the pool)
 
     def same_place(self, other: "PoolRequest") -> bool:
         """Everything but the size is the same (an elastic pool resizes for it)."""
@@ -116,24 +117,26 @@ class PoolManager:
     def ensure(self, np: Optional[int], hosts: Optional[List[Host]], hostfile: Optional[str],
                sink: Optional[OutputSink], oversubscribe: bool = False,
                min_np: Optional[int] = None, slurm: Optional[Dict[str, Any]] = None,
-               env: Optional[Dict[str, str]] = None, setup: Sequence[str] = ()) -> Pool:
+               env: Optional[Dict[str, str]] = None, setup: Sequence[str] = (),
+               ray: Optional[str] = None) -> Pool:
         """A running pool for this request (planned and checked before anything starts);
         ``oversubscribe`` allows more ranks than the hosts' slots or this machine's limit;
         ``min_np``: an elastic pool (MPI fault tolerance), which survives lost ranks;
         ``slurm``: ``%%hvd --slurm``'s options (a Slurm allocation, kept across cells);
         ``env``, ``setup``: a cluster profile's variables for the ranks and the shell lines
-        run on every host before a new pool starts."""
+        run on every host before a new pool starts; ``ray``: ``--ray``'s address, the
+        ranks in actors on that Ray cluster (:mod:`.ray_pool`)."""
         if np is None and hosts is None and hostfile is None and slurm is None \
                 and self.last is not None:
             last = self.last
-            np, hosts, hostfile, min_np, setup = (last.np, last.hosts, last.hostfile,
-                                                  last.min_np, last.setup)
+            np, hosts, hostfile, min_np, setup, ray = (last.np, last.hosts, last.hostfile,
+                                                       last.min_np, last.setup, last.ray)
             slurm = dict(last.slurm) if last.slurm is not None else None
             env = dict(last.env) if last.env is not None else None
         np = self.default_np() if np is None else np
         request = PoolRequest(np, hosts, hostfile, min_np,
                           None if slurm is None else tuple(sorted(slurm.items())),
-                          None if not env else tuple(sorted(env.items())), tuple(setup))
+                          None if not env else tuple(sorted(env.items())), tuple(setup), ray)
         old = self.pool
         if old is not None and old.alive() and request == self._running:
             return old                          # fast path: nothing to look up or plan
@@ -146,23 +149,31 @@ class PoolManager:
         self._slurm.touch(True)                 # no idle timeout while a pool starts
         try:
             return self._ensure(request, np, hosts, hostfile, sink, oversubscribe, min_np,
-                                slurm, env, setup)
+                                slurm, env, setup, ray)
         finally:
             self._slurm.touch(False)
 
     def _ensure(self, request: PoolRequest, np: int, hosts: Optional[List[Host]],
                 hostfile: Optional[str], sink: Optional[OutputSink], oversubscribe: bool,
                 min_np: Optional[int], slurm: Optional[Dict[str, Any]],
-                env: Optional[Dict[str, str]], setup: Sequence[str]) -> Pool:
+                env: Optional[Dict[str, str]], setup: Sequence[str],
+                ray: Optional[str] = None) -> Pool:
         old = self.pool
         extra: Dict[str, Any] = {"env": env} if env else {}
         if slurm is not None:
             extra["slurm"] = self._slurm.allocation_for(slurm, np, sink)
         elif self._slurm.allocation is not None:
             self._slurm.release(sink)
-        config = self.config_factory(np, hosts=hosts, hostfile=hostfile,
-                                     oversubscribe=oversubscribe, min_np=min_np, **extra)
-        plan_pool(config)                       # bad requests fail here, before any process
+        if ray is not None:
+            from .ray_pool import ray_config
+            if hosts or hostfile or slurm is not None or min_np is not None:
+                raise ValueError("--ray places the ranks on the Ray cluster: it goes without "
+                                 "-H/--hostfile/--slurm/--min-np")
+            config = ray_config(np, ray, env)
+        else:
+            config = self.config_factory(np, hosts=hosts, hostfile=hostfile,
+                                         oversubscribe=oversubscribe, min_np=min_np, **extra)
+            plan_pool(config)                   # bad requests fail here, before any process
         if old is not None:
             if old.alive() and old.config.key_fields() == config.key_fields():
                 self._running = self.last = request
@@ -179,7 +190,11 @@ class PoolManager:
             from ...runner.setup_lines import run_setup
             run_setup(setup, config.hosts, config.slurm_job, config.environ,
                       status=sink.status if sink is not None else None)
-        pool = Pool(config).start(sink)
+        if ray is not None:
+            from .ray_pool import RayPool
+            pool: Pool = RayPool(config).start(sink)
+        else:
+            pool = Pool(config).start(sink)
         self.pool, self._running, self.last = pool, request, request
         if sink is not None:
             sink.status(f"hvd: {n_ranks(np)} ready in {pool.started_s:.1f} s")

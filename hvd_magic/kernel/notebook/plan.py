@@ -83,12 +83,13 @@ class PoolConfig:
     min_np: Optional[int] = None              # elastic: MPI fault tolerance, go on down to this
     cores: int = os.cpu_count() or 1          # this machine's (the one-machine size limit)
     slurm_job: Optional[int] = None           # a Slurm allocation holds ``hosts`` (its nodes)
+    ray: Optional[str] = None                 # --ray: ray.init's address ("local": a new one)
 
     def key_fields(self) -> Tuple:
         """What makes a running pool unsuitable for another request when it differs."""
         hosts = tuple((h.name, h.slots) for h in self.hosts or ())
         return (self.np, hosts, self.hostfile, tuple(sorted(self.env.items())), self.min_np,
-                self.slurm_job)
+                self.slurm_job, self.ray)
 
 
 @dataclass
@@ -180,22 +181,12 @@ def stacks_dir(workdir: str) -> str:
     return os.path.join(workdir, "stacks")
 
 
-def plan_pool(config: PoolConfig) -> PoolPlan:
-    """Plan the controller and the engines of a pool; raises ValueError/TypeError for a
-    request no pool can satisfy (before anything starts)."""
-    check_request(config.np, config.hosts, config.oversubscribe, config.local_names,
-                  config.cores)
-    largs = LaunchArgs(np=config.np, command=["python"], hosts=config.hosts,
-                       hostfile=config.hostfile)
-    # in a Slurm allocation mpiexec (PRRTE) starts its daemons with srun, even on this node
-    slurm = config.slurm_job is not None
-    single = not slurm and is_single_host(largs, config.local_names)
-    engine_info, client_info = connection_info(config, single)
-    security = os.path.join(config.workdir, "security")
-    engine_file = os.path.join(security, f"ipcontroller-{CLUSTER_ID}-engine.json")
-    client_file = os.path.join(security, f"ipcontroller-{CLUSTER_ID}-client.json")
-    py = config.python
-    controller = [py, "-m", "hvd_magic.kernel.controller", f"--profile-dir={config.workdir}",
+def controller_argv(config: PoolConfig, single: bool, engine_info: Dict[str, object],
+                    client_info: Dict[str, object]) -> List[str]:
+    """The ipyparallel controller's command line: Unix sockets only on one host, else the
+    engines' side on TCP at ``config.controller_ip`` (the client's side stays on Unix
+    sockets when ``config.ipc``)."""
+    controller = [config.python, "-m", "hvd_magic.kernel.controller", f"--profile-dir={config.workdir}",
                   f"--cluster-id={CLUSTER_ID}", "--reuse", "--log-level=WARN",
                   f"--HeartMonitor.period={config.heartbeat_ms}",
                   f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
@@ -215,6 +206,25 @@ def plan_pool(config: PoolConfig) -> PoolPlan:
         else:
             controller += ["--IPController.client_ip=127.0.0.1",
                            "--IPController.monitor_ip=127.0.0.1"]
+    return controller
+
+
+def plan_pool(config: PoolConfig) -> PoolPlan:
+    """Plan the controller and the engines of a pool; raises ValueError/TypeError for a
+    request no pool can satisfy (before anything starts)."""
+    check_request(config.np, config.hosts, config.oversubscribe, config.local_names,
+                  config.cores)
+    largs = LaunchArgs(np=config.np, command=["python"], hosts=config.hosts,
+                       hostfile=config.hostfile)
+    # in a Slurm allocation mpiexec (PRRTE) starts its daemons with srun, even on this node
+    slurm = config.slurm_job is not None
+    single = not slurm and is_single_host(largs, config.local_names)
+    engine_info, client_info = connection_info(config, single)
+    security = os.path.join(config.workdir, "security")
+    engine_file = os.path.join(security, f"ipcontroller-{CLUSTER_ID}-engine.json")
+    client_file = os.path.join(security, f"ipcontroller-{CLUSTER_ID}-client.json")
+    py = config.python
+    controller = controller_argv(config, single, engine_info, client_info)
     extra = dict(config.env)
     extra["IPP_CONNECTION_INFO"] = json.dumps(engine_info, sort_keys=True)
     extra["HVD_MAGIC_POOL"] = "1"

@@ -87,9 +87,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     calls.startup()
     args = list(sys.argv[1:] if argv is None else argv)
     # an engine that %hvd resize spawned asks for no id (``--mpi`` would ask for its rank in
-    # the spawned group, an id another engine has or had): the controller's next id is new
-    joined = calls.joined()
-    sys.argv = [sys.argv[0]] + [a for a in ENGINE_ARGS if not (joined and a == "--mpi")] + args
+    # the spawned group, an id another engine has or had): the controller's next id is new;
+    # an engine given its id (a rank of a Ray pool, which has no MPI world) asks MPI for none
+    no_mpi = calls.joined() or any(a.startswith("--IPEngine.id=") for a in args)
+    sys.argv = [sys.argv[0]] + [a for a in ENGINE_ARGS if not (no_mpi and a == "--mpi")] + args
     from ipyparallel.engine.app import main as engine_main
     engine_main()
 
