@@ -197,6 +197,33 @@ def test_hvdrun_gloo_names_a_dead_rank_and_stops_the_others():
     assert time.monotonic() - t0 < 100, "the others were not stopped"
 
 
+def test_hvdrun_gloo_on_one_host_listens_on_loopback_only(tmp_path):
+    """hvdrun --gloo on this host opens no port beyond 127.0.0.1: neither hvdrun's
+    rendezvous store (torch's own store listens on every interface) nor the ranks' gloo."""
+    import sys
+    from pathlib import Path
+
+    from mpi_harness import mpi_env, run_job
+    script = tmp_path / "listeners.py"
+    script.write_text(
+        "import os, psutil, torch\n"
+        "import hvd_magic.torch as hvd\n"
+        "hvd.init()\n"
+        "hvd.allreduce(torch.ones(1), name='x')\n"
+        "addrs = {c.laddr.ip for pid in (os.getpid(), os.getppid())\n"
+        "         for c in psutil.Process(pid).net_connections(kind='inet')\n"
+        "         if c.status == psutil.CONN_LISTEN}\n"
+        "print(f'rank {hvd.rank()} listens on {sorted(addrs)}', flush=True)\n"
+        "hvd.barrier()\n")
+    hvdrun = str(Path(sys.executable).with_name("hvdrun"))
+    proc = run_job([hvdrun, "--gloo", "-np", "2", sys.executable, str(script)], mpi_env(), 180, "")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = re.findall(r"rank \d listens on \[(.*)\]", proc.stdout)
+    assert len(lines) == 2, proc.stdout + proc.stderr
+    for line in lines:
+        assert line and set(line.replace("'", "").split(", ")) == {"127.0.0.1"}, proc.stdout
+
+
 def test_hvdrun_gloo_refuses_what_needs_mpi():
     import sys
     from pathlib import Path

@@ -84,16 +84,26 @@ def run(args: LaunchArgs, env: Optional[Mapping[str, str]] = None) -> int:
     return supervise(args.command, envs)
 
 
-def rendezvous_store(np: int):
+def rendezvous_store(np: int, loopback: bool = True):
     """The ranks' rendezvous store, kept by hvdrun (as torchrun's agent keeps its own) at a
-    port the system picks (torch's store listens on every interface: ranks on other hosts
-    reach it at the first host's address, hvdrun itself over 127.0.0.1): it outlives every
-    rank, so no rank's exit closes it under the others."""
+    port the system picks: it outlives every rank, so no rank's exit closes it under the
+    others. ``loopback``: one host, the store listens on 127.0.0.1 only (torch's own
+    listens on every interface, so hvdrun binds the socket and hands it over); else on
+    every interface, where the ranks on other hosts reach it at the first host's address."""
     import datetime
+    import socket
 
     from torch.distributed import TCPStore
-    return TCPStore("127.0.0.1", 0, np + 1, is_master=True, wait_for_workers=False,
-                    timeout=datetime.timedelta(seconds=config.get("HVD_MAGIC_TORCH_INIT_TIMEOUT")))
+    timeout = datetime.timedelta(seconds=config.get("HVD_MAGIC_TORCH_INIT_TIMEOUT"))
+    if not loopback:
+        return TCPStore("127.0.0.1", 0, np + 1, is_master=True, wait_for_workers=False,
+                        timeout=timeout)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    return TCPStore("127.0.0.1", port, np + 1, is_master=True, wait_for_workers=False,
+                    timeout=timeout, master_listen_fd=sock.detach())   # (the store's now)
 
 
 def supervise(command: Sequence[str], envs: List[Dict[str, str]],
@@ -202,7 +212,7 @@ def run_hosts(args: LaunchArgs, base: Mapping[str, str], names: FrozenSet[str],
     machine hvdrun keeps the rendezvous store there (it outlives every rank), else rank 0
     keeps it at a port that is free here."""
     first = place(args.hosts or [], args.np)[0].host
-    store = rendezvous_store(args.np) if first in names else None
+    store = rendezvous_store(args.np, loopback=False) if first in names else None
     port = store.port if store is not None else free_port()
     starts = plan_hosts(args, base, cwd=os.getcwd(), port=port, store_here=store is not None,
                         local_names=names)
