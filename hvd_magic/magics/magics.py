@@ -342,7 +342,8 @@ def _where(req: CellRequest) -> Any:
         import os
         from ..runner.profiles import launch_of, load_profile
         plan = launch_of(load_profile(req.profile, os.environ), req.np)
-        req = replace(req, np=plan.np, hosts=plan.hosts, slurm=plan.slurm)
+        req = replace(req, np=plan.np, hosts=plan.hosts, slurm=plan.slurm,
+                      ray=plan.ray if plan.ray is not None else getattr(req, "ray", None))
         if plan.env:
             where["env"] = plan.env
         if plan.setup:

@@ -192,6 +192,10 @@ def apply_profile(ns: argparse.Namespace) -> List[str]:
     import os
     from .profiles import launch_of, load_profile
     plan = launch_of(load_profile(ns.profile, os.environ), ns.np)
+    if plan.ray is not None:
+        raise ValueError(f"--profile {ns.profile}: a Ray profile (scheduler = \"ray\") is for "
+                         "notebook pools (%%hvd --profile NAME); hvdrun starts ranks with "
+                         "mpiexec, or with --gloo on -H hosts")
     ns.np = plan.np
     if plan.hosts:
         ns.hosts = ",".join(f"{h.name}:{h.slots}" for h in plan.hosts)

@@ -25,7 +25,9 @@ Example (every key optional except ``scheduler``)::
     NCCL_DEBUG = "WARN"
 
 With ``scheduler = "hosts"``: ``hosts = ["node1", "node2"]`` and ``slots_per_host = 4``
-(or ``"node1:4"`` entries). The ``setup`` lines run in order on every host before the pool
+(or ``"node1:4"`` entries). With ``scheduler = "ray"`` (notebook pools only, ``%%hvd
+--ray``): ``ray_address = "10.0.0.1:6379"`` as ``ray.init`` takes it (none: a Ray started on
+this machine for the pool) and ``np``. The ``setup`` lines run in order on every host before the pool
 or job starts, each line on all hosts at once, and the next line only after every host
 finished the previous one (a barrier between lines, as RiseML's run lines); a line that
 fails on any host stops the start with its output.
@@ -41,10 +43,10 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from .plan import Host, interface_names, parse_hosts
 from .slurm import SlurmRequest, check_request
 
-SCHEDULERS = ("slurm", "hosts")
+SCHEDULERS = ("slurm", "hosts", "ray")
 TOP_KEYS = {"description": str, "scheduler": str, "hosts": list, "slots_per_host": int,
             "processes_per_host": int, "np": int, "network_interface": str, "modules": list,
-            "setup": list, "env": dict, "slurm": dict}
+            "setup": list, "env": dict, "slurm": dict, "ray_address": str}
 SLURM_KEYS = {"partition": str, "time": str, "nodes": int, "gpus_per_node": int}
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 _KIND = {str: "a string", int: "a whole number", list: "a list", dict: "a table ([...])"}
@@ -70,6 +72,7 @@ class Profile:
     setup: List[str] = field(default_factory=list)
     env: Dict[str, str] = field(default_factory=dict)
     slurm: Dict[str, Any] = field(default_factory=dict)
+    ray_address: Optional[str] = None         # scheduler "ray": ray.init's address
 
 
 @dataclass
@@ -82,6 +85,7 @@ class ProfileLaunch:
     network_interface: Optional[str]
     env: Dict[str, str]
     setup: List[str]                           # shell lines, modules loaded first
+    ray: Optional[str] = None                  # --ray's address ("local": a Ray of its own)
 
 
 def profile_dir(environ: Mapping[str, str]) -> str:
@@ -133,8 +137,9 @@ def parse_profile(text: str, name: str = "profile", path: str = "profile.toml") 
             raise fail(key, f"must be {_KIND[TOP_KEYS[key]]}, not {value!r}")
     scheduler = data.get("scheduler")
     if scheduler not in SCHEDULERS:
-        raise fail("scheduler", f"{scheduler!r}: use \"slurm\" or \"hosts\"" if scheduler else
-                   "missing; add scheduler = \"slurm\" or scheduler = \"hosts\"")
+        raise fail("scheduler", f"{scheduler!r}: use \"slurm\" or \"hosts\" (or \"ray\" for "
+                   "notebook pools)" if scheduler else "missing; add scheduler = \"slurm\" or "
+                   "scheduler = \"hosts\" (or \"ray\")")
     prof = Profile(name=name, path=path, scheduler=scheduler,
                    description=data.get("description", ""))
     for key in ("slots_per_host", "processes_per_host", "np"):
@@ -161,7 +166,14 @@ def parse_profile(text: str, name: str = "profile", path: str = "profile.toml") 
         if isinstance(v, bool) or not isinstance(v, (str, int, float)):
             raise fail(k, f"must be a string or number, not {type(v).__name__}", "env")
         prof.env[k] = str(v)
-    if scheduler == "hosts":
+    if "ray_address" in data and scheduler != "ray":
+        raise fail("ray_address", "goes with scheduler = \"ray\"")
+    if scheduler == "ray":
+        for key in ("hosts", "slurm", "slots_per_host"):
+            if key in data:
+                raise fail(key, "Ray places the ranks (scheduler = \"ray\"); give np")
+        prof.ray_address = data.get("ray_address")
+    elif scheduler == "hosts":
         if "slurm" in data:
             raise fail("slurm", "a [slurm] table goes with scheduler = \"slurm\"", None)
         if not data.get("hosts"):
@@ -208,7 +220,11 @@ def launch_of(prof: Profile, np: Optional[int] = None) -> ProfileLaunch:
     per = prof.processes_per_host
     slurm: Optional[Dict[str, Any]] = None
     hosts: Optional[List[Host]] = None
-    if prof.scheduler == "slurm":
+    if prof.scheduler == "ray":
+        count = np or prof.np or per
+        if count is None:
+            raise ProfileError(f"{prof.path}: says not how many ranks (np); add np, or give -np")
+    elif prof.scheduler == "slurm":
         slurm = {k: prof.slurm.get(k) for k in SLURM_KEYS}
         nodes = prof.slurm.get("nodes")
         count = np or prof.np or (per * nodes if per and nodes else None) or per or nodes
@@ -228,7 +244,8 @@ def launch_of(prof: Profile, np: Optional[int] = None) -> ProfileLaunch:
         env.setdefault("GLOO_SOCKET_IFNAME", ",".join(names))
     return ProfileLaunch(np=count, hosts=hosts, slurm=slurm,
                          network_interface=prof.network_interface, env=env,
-                         setup=setup_steps(prof))
+                         setup=setup_steps(prof),
+                         ray=(prof.ray_address or "local") if prof.scheduler == "ray" else None)
 
 
 def setup_steps(prof: Profile) -> List[str]:
@@ -281,7 +298,9 @@ def describe(profiles: Sequence[Tuple[str, str]], directory: str) -> str:
         except (OSError, ProfileError) as exc:
             lines.append(f"  {name:<16} (unusable: {exc})")
             continue
-        if prof.scheduler == "slurm":
+        if prof.scheduler == "ray":
+            where = f"ray {prof.ray_address or '(a local Ray)'}"
+        elif prof.scheduler == "slurm":
             where = "slurm " + " ".join(f"{k}={v}" for k, v in prof.slurm.items())
         else:
             where = "hosts " + ",".join(f"{h.name}:{h.slots}" for h in prof.hosts)
