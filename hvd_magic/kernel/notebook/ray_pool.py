@@ -47,6 +47,8 @@ from .procs import RankExit, describe_exit, descendants, spawn, tail
 LOCAL = "local"
 #: How often the kernel asks the actors whether their engines still run (seconds).
 POLL_S = 0.25
+#: The kernel's variables that the ranks get (by prefix): the runtime's settings.
+FORWARDED = ("HOROVOD_", "GLOO_", "NCCL_", "TORCH_")
 #: Seconds to wait for the actors to stop their engines before killing the actors.
 STOP_WAIT_S = 3.0
 
@@ -61,18 +63,27 @@ class EngineHost:
 
     def __init__(self) -> None:
         rank = os.environ["RANK"]
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hvd_magic.kernel.ranks.engine", f"--IPEngine.id={rank}"],
-            env=dict(os.environ), stdin=subprocess.DEVNULL, start_new_session=True)
+        # the engine's own output (its cells' output goes to the notebook): read back when
+        # it ends, so that an engine that fails to start says why
+        fd, self.log = tempfile.mkstemp(prefix=f"hvdm-engine{rank}-", suffix=".log")
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "hvd_magic.kernel.ranks.engine", f"--IPEngine.id={rank}"],
+                env=dict(os.environ), stdin=subprocess.DEVNULL, stdout=fd, stderr=fd,
+                start_new_session=True)
+        finally:
+            os.close(fd)
 
 
 def engine_pid(host: EngineHost) -> int:
     return host.proc.pid
 
 
-def engine_exit(host: EngineHost) -> Optional[int]:
-    """The engine's exit status (negative: the signal that killed it); None while it runs."""
-    return host.proc.poll()
+def engine_exit(host: EngineHost) -> Optional[tuple]:
+    """``(exit status, the end of its output)`` once the engine ended (negative status: the
+    signal that killed it); None while it runs."""
+    code = host.proc.poll()
+    return None if code is None else (code, tail(host.log, 1500).strip())
 
 
 def stop_engine(host: EngineHost) -> None:
@@ -84,6 +95,10 @@ def stop_engine(host: EngineHost) -> None:
     try:
         host.proc.wait(2.0)
     except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.unlink(host.log)
+    except OSError:
         pass
 
 
@@ -102,7 +117,12 @@ def plan_ray_pool(config: PoolConfig, local: bool) -> PoolPlan:
     on this machine (Unix sockets), else the engines reach ``config.controller_ip``."""
     engine_info, client_info = connection_info(config, local)
     security = os.path.join(config.workdir, "security")
-    env = dict(config.env)
+    # the ranks run in Ray's workers, with the environment of each node's Ray: of this
+    # kernel's, only what tells the ranks' runtime how to behave travels with them (as the
+    # MPI pool's ranks inherit it), e.g. GLOO_SOCKET_IFNAME where a node's hostname does not
+    # resolve to the address the other nodes reach
+    env = {k: v for k, v in config.environ.items() if k.startswith(FORWARDED)}
+    env.update(config.env)
     env.update(IPP_CONNECTION_INFO=json.dumps(engine_info, sort_keys=True),
                HVD_MAGIC_POOL="1", HVD_MAGIC_STACKS_DIR=stacks_dir(config.workdir),
                PYTHONUNBUFFERED="1")
@@ -205,6 +225,8 @@ class RayPool(Pool):
         self.started_s = time.monotonic() - t0
         if sink is not None:
             sink.status(self.nodes_text)
+            for note in plan.notes:
+                sink.status(f"hvd: note: {note}")
         return self
 
     def _connect(self, ray: Any, local: bool) -> None:
@@ -299,15 +321,17 @@ class RayPool(Pool):
             node = executor.nodes[r] if r < len(executor.nodes) else {}
             on = f"on node {node.get('hostname', '?')} ({node.get('ip', '?')})"
             try:
-                code = ray.get(ref)
+                ended = ray.get(ref)
             except ray.exceptions.RayError as exc:
                 self.exits.setdefault(r, f"lost its Ray actor (worker pid {node.get('pid', '?')}) "
                                          f"{on}: {type(exc).__name__}")
                 continue
-            if code is not None:
+            if ended is not None:
+                code, output = ended
                 pid = self.engine_pids.get(r, "?")
                 how = describe_exit(code).replace("killed by SIG", "killed by signal SIG")
-                self.exits.setdefault(r, f"{how} {on} (engine pid {pid})")
+                said = f"; its output ended with:\n{output}" if output and code > 0 else ""
+                self.exits.setdefault(r, f"{how} {on} (engine pid {pid}){said}")
 
     def _job_ended(self) -> Optional[str]:
         if self.controller is None or self.executor is None:

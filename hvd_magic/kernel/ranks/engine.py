@@ -78,6 +78,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     os.umask(0o077)
     if sys.platform.startswith("linux"):
         _die_with_launcher()
+    import signal
+    # a Ray worker's child inherits SIGINT blocked (and may inherit it ignored): an
+    # interrupt must raise KeyboardInterrupt in the running cell, as in any Python process
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     gpu = gpu_for_local_rank(os.environ, count_gpus())
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
@@ -89,7 +95,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     # an engine that %hvd resize spawned asks for no id (``--mpi`` would ask for its rank in
     # the spawned group, an id another engine has or had): the controller's next id is new;
     # an engine given its id (a rank of a Ray pool, which has no MPI world) asks MPI for none
-    no_mpi = calls.joined() or any(a.startswith("--IPEngine.id=") for a in args)
+    no_mpi = any(a.startswith("--IPEngine.id=") for a in args) or calls.joined()
     sys.argv = [sys.argv[0]] + [a for a in ENGINE_ARGS if not (no_mpi and a == "--mpi")] + args
     from ipyparallel.engine.app import main as engine_main
     engine_main()
