@@ -379,8 +379,9 @@ def _remove_transformer(shell: Any, fn: Any) -> None:
 def render_status(st: Dict[str, Any]) -> str:
     """``%hvd status`` as text: the pool, then one line per rank, then pending collectives."""
     state = "running" if st["alive"] else f"gone ({st['ended']})"
+    launcher = f"mpiexec pid {st['mpiexec_pid']}, " if st["mpiexec_pid"] is not None else ""
     lines = [f"hvd pool: {st['size']} ranks, {state}; started in {st['start_s']:.1f} s; "
-             f"mpiexec pid {st['mpiexec_pid']}, controller pid {st['controller_pid']}"]
+             f"{launcher}controller pid {st['controller_pid']}"]
     lines += [f"  note: {n}" for n in st["notes"]]
     lines.append(f"  {'rank':>4}  {'host':<16} {'pid':>7} {'nanny':>7}  {'gpu':<5} state")
     pending: List[str] = []

@@ -14,11 +14,13 @@ a killed engine (or a lost actor) ends the running cell naming its rank and node
 
 ``ADDRESS`` is what ``ray.init(address=...)`` takes (``auto``, ``host:port``); without one
 (``--ray`` alone, which is ``ray.init``'s ``local``) the pool starts a Ray instance of its
-own on this machine, on 127.0.0.1, and ``ray.shutdown()`` stops the processes it started
-when the pool stops. Where the controller listens: with a local Ray, on Unix sockets only
-(the ranks are on this machine); on a cluster, the engines' side listens on the address of
-this machine on its route to the cluster's head (the address the nodes reach it by) and
-nowhere else, and the pool's start says so.
+own on this machine, and ``ray.shutdown()`` stops the processes that call started when the
+pool stops. That Ray listens on this machine's addresses (its GCS and raylets bind the
+wildcard address whatever ``_node_ip_address`` says); the pool's start says so. Where the
+controller listens: with a local Ray, on Unix sockets only (the ranks are on this
+machine); on a cluster, the engines' side listens on the address of this machine on its
+route to the cluster's head (the address the nodes reach it by) and nowhere else, and the
+pool's start says so.
 """
 from __future__ import annotations
 
@@ -127,8 +129,9 @@ def plan_ray_pool(config: PoolConfig, local: bool) -> PoolPlan:
                HVD_MAGIC_POOL="1", HVD_MAGIC_STACKS_DIR=stacks_dir(config.workdir),
                PYTHONUNBUFFERED="1")
     if local:
-        notes = ["the Ray instance was started for this pool on 127.0.0.1; the controller "
-                 "listens on Unix sockets in the pool's private directory"]
+        notes = ["the controller listens on Unix sockets in the pool's private directory; "
+                 "the Ray started for this pool listens on this machine's addresses, as Ray "
+                 "does (no Ray setting keeps it on loopback), until the pool stops"]
     else:
         notes = [f"the Ray nodes reach the controller at {config.controller_ip}; it listens "
                  "there and on Unix sockets for this kernel only"]

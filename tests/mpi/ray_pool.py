@@ -1,0 +1,167 @@
+"""Driver of the Ray pool tests, run as the notebook kernel would be (on the Ray head's
+host for a cluster): ``python ray_pool.py SCENARIO [ADDRESS NS_A NS_B]``; prints one
+``RESULT {json}`` line.
+
+``cluster``: ``%%hvd -np 2 --ray ADDRESS`` cells through a real IPython shell: an
+allreduce, state kept between cells, ``%hvd status``, where the controller listens,
+``%hvd stop``; then a new pool, a cell that runs while rank 1's engine is killed, and how
+long until the cell ended and what it said.
+
+``local``: ``%%hvd -np 2 --ray`` (a Ray started for the pool): an allreduce, what the Ray
+processes it started listen on, ``%hvd stop``, and which of them are left.
+"""
+import contextlib
+import io
+import json
+import os
+import sys
+import threading
+import time
+
+import psutil
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from netns_hosts import netns_pids  # noqa: E402
+
+scenario = sys.argv[1]
+address = sys.argv[2] if len(sys.argv) > 2 else None
+namespaces = sys.argv[3:5]
+res = {}
+
+from IPython.testing.globalipapp import start_ipython  # noqa: E402
+
+shell = start_ipython()
+shell.run_line_magic("load_ext", "hvd_magic")
+mg = shell.magics_manager.registry["HvdMagics"]
+ray_arg = f"--ray {address}" if address else "--ray"
+
+ALLREDUCE = """
+import socket
+import numpy as np
+import hvd_magic.collectives as hvd
+w = np.full(3, float(hvd.rank() + 1))
+hvd.allreduce_(w, op=hvd.Sum)
+(hvd.rank(), hvd.size(), w.tolist())
+"""
+
+
+def out(name):
+    return {str(r): list(v) for r, v in shell.user_ns[name].items()}
+
+
+def captured(fn):
+    """What ``fn()`` printed (the pool's status lines go to stderr), also passed through."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+        fn()
+    sys.stderr.write(buf.getvalue())
+    return buf.getvalue()
+
+
+def listening(pids, names=False):
+    found = set()
+    for c in psutil.net_connections(kind="inet"):
+        if c.status == psutil.CONN_LISTEN and c.pid in pids:
+            try:
+                name = " ".join(psutil.Process(c.pid).cmdline())[:80] if names else ""
+            except psutil.Error:
+                name = "?"
+            found.add((c.laddr.ip, c.laddr.port) + ((name,) if names else ()))
+    return sorted(found)
+
+
+def engines_and_workers():
+    """Processes in the cluster's namespaces that are a pool engine or a Ray pool actor."""
+    found = []
+    for pid in [p for ns in namespaces for p in netns_pids(ns)]:
+        try:
+            proc = psutil.Process(pid)
+            cmd = " ".join(proc.cmdline())
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+        except psutil.Error:
+            continue
+        if "hvd_magic.kernel.ranks.engine" in cmd or "BaseHorovodWorker" in cmd:
+            found.append(f"{pid} {cmd[:160]}")
+    return found
+
+
+def gone_within(pids, limit):
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if not [p for p in pids if psutil.pid_exists(p)
+                and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+if scenario == "cluster":
+    res["start_text"] = captured(lambda: shell.run_cell_magic(
+        "hvd", f"-np 2 {ray_arg} --out first", ALLREDUCE))
+    res["first"] = out("first")
+    pool = mg.manager.pool
+    res["engine_interface"] = pool.plan.engine_info["interface"]
+    res["hosts"] = {str(r): h for r, h in pool.hosts.items()}
+    ctl = psutil.Process(pool.controller.pid)
+    res["controller_listen"] = listening({ctl.pid} | {c.pid for c in
+                                                      ctl.children(recursive=True)})
+    shell.run_cell_magic("hvd", "--out second", "w += hvd.allreduce(w, op=hvd.Sum)\n"
+                                                "(hvd.rank(), w.tolist())")
+    res["second"] = out("second")
+    try:
+        shell.run_cell_magic("hvd", "--timeout 2", "import time\ntime.sleep(30)\n")
+        res["timeout"] = "no exception"
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        res["timeout"] = f"{type(exc).__name__}: {exc}"
+    shell.run_cell_magic("hvd", "--out third", "(hvd.rank(), w.tolist())")
+    res["third"] = out("third")
+    res["same_pool"] = mg.manager.pool is pool
+    res["status"] = captured(lambda: shell.run_line_magic("hvd", "status"))
+    engines = list(pool.engine_pids.values())
+    shell.run_line_magic("hvd", "stop")
+    res["stopped_clean"] = gone_within(engines, 10.0)
+    time.sleep(1.0)
+    res["left_after_stop"] = engines_and_workers()
+
+    # a new pool; rank 1's engine is killed while a cell runs
+    shell.run_cell_magic("hvd", f"-np 2 {ray_arg}", "x = 1")
+    pool = mg.manager.pool
+    victim = pool.engine_pids[1]
+    killed = {}
+
+    def kill():
+        time.sleep(2.0)
+        killed["at"] = time.monotonic()
+        os.kill(victim, 9)
+
+    threading.Thread(target=kill, daemon=True).start()
+    try:
+        shell.run_cell_magic("hvd", "", "import time\nfor _ in range(600): time.sleep(0.1)\n")
+        res["killed"] = "no exception"
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        res["killed"] = f"{type(exc).__name__}: {exc}"
+    res["killed_after_s"] = time.monotonic() - killed.get("at", time.monotonic())
+    res["victim_node"] = pool.hosts.get(1)
+    res["after_death_clean"] = gone_within(list(pool.engine_pids.values()), 10.0)
+    time.sleep(1.0)
+    res["left_after_death"] = engines_and_workers()
+    shell.run_line_magic("hvd", "stop")
+
+elif scenario == "local":
+    me = psutil.Process()
+    res["start_text"] = captured(lambda: shell.run_cell_magic(
+        "hvd", f"-np 2 {ray_arg} --out first", ALLREDUCE))
+    res["first"] = out("first")
+    pool = mg.manager.pool
+    started = [p.pid for p in me.children(recursive=True)]
+    res["listen"] = listening(set(started), names=True)
+    shell.run_cell_magic("hvd", "--out second", "w += 1\n(hvd.rank(), w.tolist())")
+    res["second"] = out("second")
+    shell.run_line_magic("hvd", "stop")
+    res["stopped_clean"] = gone_within(started, 15.0)
+    res["left"] = [" ".join(psutil.Process(p).cmdline())[:160] for p in started
+                   if psutil.pid_exists(p)
+                   and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+print("RESULT " + json.dumps(res), flush=True)
