@@ -11,21 +11,19 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
 
 import netns_hosts
+import ray_cluster
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (make setup installs it)")
 
 from hvd_magic.ray import RayExecutor  # noqa: E402
 
-VENV_BIN = os.path.dirname(sys.executable)
 SUBNET = "10.239.0.0/24"
 PORT = 6390
 
@@ -35,62 +33,8 @@ def cluster():
     why = netns_hosts.unusable_reason()
     if why:
         pytest.skip(why)
-    netns_hosts.clean_stale(("rayA-", "rayB-"))
-    hosts = netns_hosts.TwoHosts(subnet=SUBNET, prefix="ray").create()
-    # Ray's sockets live under its temp dir: a short path of our own (AF_UNIX paths are
-    # limited to 107 bytes), shared by both nodes and removed afterwards
-    temp = tempfile.mkdtemp(prefix="rt", dir="/tmp")
-    env = dict(os.environ, PATH=f"{VENV_BIN}:{os.environ.get('PATH', '')}",
-               RAY_USAGE_STATS_ENABLED="0")
-    common = ["--num-cpus", "1", "--disable-usage-stats", "--temp-dir", temp,
-              "--object-store-memory", str(100 * 2**20), "--include-log-monitor", "false"]
-    try:
-        start_node(hosts, hosts.a, env, ["--head", "--node-ip-address", hosts.a.ip,
-                                         "--port", str(PORT), "--include-dashboard", "false",
-                                         *common], temp)
-        start_node(hosts, hosts.b, env, ["--address", f"{hosts.a.ip}:{PORT}",
-                                         "--node-ip-address", hosts.b.ip, *common], temp)
-        yield hosts, f"{hosts.a.ip}:{PORT}", env
-    finally:
-        hosts.destroy()
-        shutil.rmtree(temp, ignore_errors=True)
-
-
-def start_node(hosts, host, env, args, temp: str, tries: int = 3) -> None:
-    """``ray start ARGS`` on ``host``. ``ray start`` gives up when its node has not
-    registered with the head within a fixed 30 s, but leaves the node's processes running:
-    on a loaded machine they often register soon after, which the head's log shows. A node
-    that has not within 120 s is killed and started again."""
-    for attempt in range(tries):
-        proc = hosts.run([f"{VENV_BIN}/ray", "start", *args], env=env, timeout=180, host=host)
-        if proc.returncode == 0:
-            return
-        if "timed out during startup" not in proc.stderr + proc.stdout:
-            raise AssertionError(f"ray start {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if registered(temp, host.ip):
-                return
-            time.sleep(1)
-        if attempt == tries - 1:
-            raise AssertionError(f"ray start {' '.join(args)}: the node did not register "
-                                 f"within 150 s:\n{proc.stdout}\n{proc.stderr}")
-        for pid in netns_hosts.netns_pids(host.ns):
-            os.kill(pid, 9)
-        deadline = time.monotonic() + 10
-        while netns_hosts.netns_pids(host.ns) and time.monotonic() < deadline:
-            time.sleep(0.1)
-
-
-def registered(temp: str, ip: str) -> bool:
-    """Whether the head's GCS has registered a node at ``ip`` (its log says so)."""
-    import glob
-    for path in glob.glob(os.path.join(temp, "session_*", "logs", "gcs_server.out")):
-        with open(path, errors="replace") as fh:
-            if any("Registering new node" in line and f"node_address={ip}" in line
-                   for line in fh):
-                return True
-    return False
+    with ray_cluster.two_nodes(SUBNET, "ray", PORT) as running:
+        yield running
 
 
 def drive(cluster, script: str, *args: str, timeout: float = 300) -> dict:
