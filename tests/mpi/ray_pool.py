@@ -8,7 +8,8 @@ allreduce, state kept between cells, ``%hvd status``, where the controller liste
 long until the cell ended and what it said.
 
 ``local``: ``%%hvd -np 2 --ray`` (a Ray started for the pool): an allreduce, what the Ray
-processes it started listen on, ``%hvd stop``, and which of them are left.
+processes it started listen on, a cell while rank 1's engine is killed, ``%hvd stop``, and
+which of the processes are left.
 """
 import contextlib
 import io
@@ -158,6 +159,16 @@ elif scenario == "local":
     res["listen"] = listening(set(started), names=True)
     shell.run_cell_magic("hvd", "--out second", "w += 1\n(hvd.rank(), w.tolist())")
     res["second"] = out("second")
+    res["netns"] = pool.config.netns
+    # rank 1's engine killed while a cell runs: the cell ends naming it, the pool stops
+    victim = pool.engine_pids[1]
+    threading.Timer(2.0, os.kill, (victim, 9)).start()
+    try:
+        shell.run_cell_magic("hvd", "", "import time\nfor _ in range(600): time.sleep(0.1)\n")
+        res["killed"] = "no exception"
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        res["killed"] = f"{type(exc).__name__}: {exc}"
+    started = list(set(started) | {p.pid for p in me.children(recursive=True)})
     shell.run_line_magic("hvd", "stop")
     res["stopped_clean"] = gone_within(started, 15.0)
     res["left"] = [" ".join(psutil.Process(p).cmdline())[:160] for p in started

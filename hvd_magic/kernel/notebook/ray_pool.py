@@ -40,10 +40,10 @@ from ... import config as settings
 from .cells import clean_stale_dirs, ipyparallel, short_tmp
 from .liveness import Seen
 from .output import OutputSink, PoolError, n_ranks
-from .plan import CLUSTER_ID, PoolConfig, PoolPlan, check_request, connection_info, \
+from .plan import CLUSTER_ID, NO_NAMESPACE, PoolConfig, PoolPlan, check_request, connection_info, \
     controller_argv, stacks_dir
 from .pool import Pool
-from .procs import RankExit, describe_exit, descendants, spawn, tail
+from .procs import RankExit, describe_exit, descendants, spawn, stop_tree, tail
 
 #: ``--ray`` without an address: ``ray.init``'s own word for a new local instance.
 LOCAL = "local"
@@ -108,10 +108,13 @@ def stop_engine(host: EngineHost) -> None:
 
 def ray_config(np: int, address: str, env: Optional[Dict[str, str]] = None) -> PoolConfig:
     """The config of a Ray pool of ``np`` ranks at ``address`` (``local``: a new local Ray)."""
+    from ...runner import launch
     check_request(np, None, True)
+    environ = dict(os.environ)
+    netns = address == LOCAL and launch.netns_wanted(environ) and launch.netns_available()
     return PoolConfig(np=np, workdir="/tmp/hvdm-plan", key=secrets.token_hex(16),
-                      ipc=os.name == "posix", env=dict(env or {}), environ=dict(os.environ),
-                      ray=address)
+                      ipc=os.name == "posix", env=dict(env or {}), environ=environ,
+                      ray=address, netns=netns)
 
 
 def plan_ray_pool(config: PoolConfig, local: bool) -> PoolPlan:
@@ -128,10 +131,14 @@ def plan_ray_pool(config: PoolConfig, local: bool) -> PoolPlan:
     env.update(IPP_CONNECTION_INFO=json.dumps(engine_info, sort_keys=True),
                HVD_MAGIC_POOL="1", HVD_MAGIC_STACKS_DIR=stacks_dir(config.workdir),
                PYTHONUNBUFFERED="1")
-    if local:
-        notes = ["the controller listens on Unix sockets in the pool's private directory; "
-                 "the Ray started for this pool listens on this machine's addresses, as Ray "
-                 "does (no Ray setting keeps it on loopback), until the pool stops"]
+    if local and config.netns:
+        notes = ["the Ray started for this pool and its ranks run in a loopback-only network "
+                 "namespace, and the controller listens on Unix sockets in the pool's "
+                 "private directory: the pool opens no TCP port reachable from outside"]
+    elif local:
+        notes = [f"{NO_NAMESPACE}: the Ray started for it listens on this machine's "
+                 "addresses (no Ray setting keeps it on loopback); the controller listens on "
+                 "Unix sockets in the pool's private directory"]
     else:
         notes = [f"the Ray nodes reach the controller at {config.controller_ip}; it listens "
                  "there and on Unix sockets for this kernel only"]
@@ -141,6 +148,183 @@ def plan_ray_pool(config: PoolConfig, local: bool) -> PoolPlan:
                     os.path.join(security, f"ipcontroller-{CLUSTER_ID}-engine.json"),
                     os.path.join(security, f"ipcontroller-{CLUSTER_ID}-client.json"),
                     False, notes)
+
+
+class RayRanks:
+    """The ranks' actors, seen from Ray's driver (this kernel, or for a local Ray the
+    :mod:`.ray_host` process in its loopback-only namespace): connect, place, poll, stop."""
+
+    def __init__(self) -> None:
+        self.executor: Any = None
+        self.own_ray = False            # this driver called ray.init (so it calls ray.shutdown)
+        self.pids: List[int] = []
+        self._polls: Optional[List[Any]] = None
+        self._polled = 0.0
+
+    def connect(self, address: str, np: int) -> str:
+        """``ray.init`` unless connected already (then that connection is used and left
+        open); the cluster's GCS address."""
+        import ray
+        if not ray.is_initialized():
+            if address == LOCAL:
+                ray.init(address=LOCAL, include_dashboard=False,
+                         num_cpus=max(np, os.cpu_count() or 1),
+                         log_to_driver=False, configure_logging=False)
+            else:
+                ray.init(address=address, log_to_driver=False, configure_logging=False)
+            self.own_ray = True
+        return ray.get_runtime_context().gcs_address
+
+    def place(self, np: int, env: Dict[str, str], limit: float) -> Dict[str, Any]:
+        """Start ``np`` actors, each starting its rank's engine with ``env``: where each
+        rank runs (RayExecutor's node records), the engines' pids, the cluster's nodes."""
+        import ray
+        from ...ray import RayExecutor
+        self.executor = RayExecutor(
+            RayExecutor.create_settings(timeout_s=int(limit), placement_group_timeout_s=int(limit)),
+            num_workers=np, cpus_per_worker=1)
+        self.executor.start(executable_cls=EngineHost, extra_env_vars=env)
+        self.pids = ray.get([w.execute.remote(engine_pid) for w in self.executor.workers],
+                            timeout=limit)
+        return {"nodes": self.executor.nodes, "pids": self.pids,
+                "alive": len([n for n in ray.nodes() if n.get("Alive")])}
+
+    def poll(self, wait: float = 0.0) -> Dict[int, str]:
+        """Ask every actor whether its engine still runs (at most every :data:`POLL_S` s,
+        without blocking unless ``wait``): rank -> how it ended, for those that did."""
+        executor = self.executor
+        if executor is None or not executor.workers:
+            return {}
+        import ray
+        if self._polls is None:
+            if not wait and time.monotonic() - self._polled < POLL_S:
+                return {}
+            self._polls = [w.execute.remote(engine_exit) for w in executor.workers]
+            self._polled = time.monotonic()
+        ready, _ = ray.wait(self._polls, num_returns=len(self._polls), timeout=wait)
+        if len(ready) < len(self._polls):
+            return {}
+        polls, self._polls = self._polls, None
+        exits: Dict[int, str] = {}
+        for r, ref in enumerate(polls):
+            node = executor.nodes[r] if r < len(executor.nodes) else {}
+            on = f"on node {node.get('hostname', '?')} ({node.get('ip', '?')})"
+            try:
+                ended = ray.get(ref)
+            except ray.exceptions.RayError as exc:
+                exits[r] = (f"lost its Ray actor (worker pid {node.get('pid', '?')}) {on}: "
+                            f"{type(exc).__name__}")
+                continue
+            if ended is not None:
+                code, output = ended
+                pid = self.pids[r] if r < len(self.pids) else "?"
+                how = describe_exit(code).replace("killed by SIG", "killed by signal SIG")
+                said = f"; its output ended with:\n{output}" if output and code > 0 else ""
+                exits[r] = f"{how} {on} (engine pid {pid}){said}"
+        return exits
+
+    def stop(self) -> None:
+        """Stop the engines, the actors (and their placement group); then the Ray instance
+        this driver started (or its connection)."""
+        executor, self.executor = self.executor, None
+        if executor is not None and executor.workers:
+            try:
+                import ray
+                refs = [w.execute.remote(stop_engine) for w in executor.workers]
+                ray.wait(refs, num_returns=len(refs), timeout=STOP_WAIT_S)
+            except Exception:  # noqa: BLE001 - the actors are killed next anyway
+                pass
+            executor.shutdown()
+        if self.own_ray:
+            self.own_ray = False
+            import ray
+            ray.shutdown()
+
+
+class HostedRanks:
+    """:class:`RayRanks` in a :mod:`.ray_host` process that runs a local Ray inside a
+    loopback-only network namespace: the same calls, as JSON lines over its stdin/stdout.
+    The host stops its Ray when its stdin closes (this kernel ended)."""
+
+    def __init__(self, workdir: str) -> None:
+        import queue
+        import threading
+        log = os.open(os.path.join(workdir, "ray_host.log"), os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "hvd_magic.kernel.notebook.ray_host"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+                start_new_session=True)
+        finally:
+            os.close(log)
+        self.log = os.path.join(workdir, "ray_host.log")
+        self.replies: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._waiting = False           # a poll was sent and its reply not read yet
+        self._polled = 0.0
+        self.np = 0
+        self.known: List[Any] = []
+        threading.Thread(target=self._read, name="hvd_magic-ray-host", daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                self.replies.put(json.loads(line))
+            except ValueError:
+                continue
+        self.replies.put({"error": "the Ray host process ended"})
+
+    def _send(self, msg: Dict[str, Any]) -> None:
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+
+    def _reply(self, timeout: float) -> Dict[str, Any]:
+        import queue
+        try:
+            reply = self.replies.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"the Ray host process did not answer within {timeout:g} s") \
+                from None
+        if "error" in reply:
+            raise PoolError(f"{reply['error']}\n--- ray_host.log ---\n"
+                            + tail(self.log, 2000).strip())
+        return reply
+
+    def connect(self, address: str, np: int) -> str:
+        self._send({"cmd": "connect", "np": np})
+        return self._reply(settings.get("HVD_MAGIC_START_TIMEOUT"))["gcs"]
+
+    def place(self, np: int, env: Dict[str, str], limit: float) -> Dict[str, Any]:
+        self.np = np
+        self._send({"cmd": "place", "np": np, "env": env, "limit": limit})
+        reply = self._reply(limit + 10)
+        self.known = descendants(self.proc.pid)     # Ray's processes: stopped by pid at the end
+        return reply
+
+    def poll(self, wait: float = 0.0) -> Dict[int, str]:
+        if not self._waiting:
+            if not wait and time.monotonic() - self._polled < POLL_S:
+                return {}
+            self._send({"cmd": "poll", "wait": 1.0 if wait else 0.0})
+            self._waiting, self._polled = True, time.monotonic()
+        import queue
+        try:
+            reply = self.replies.get(timeout=wait + (1.0 if wait else 0.0)) if wait \
+                else self.replies.get_nowait()
+        except queue.Empty:
+            return {}
+        self._waiting = False
+        if "error" in reply:
+            return {r: f"was lost: {reply['error']}" for r in range(self.np)}
+        return {int(r): how for r, how in reply.get("exits", {}).items()}
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self._send({"cmd": "stop"})
+                self.proc.wait(STOP_WAIT_S + 10)
+            except Exception:  # noqa: BLE001 - killed below
+                pass
+        stop_tree([], [self.proc], self.known)
 
 
 def _address_towards(host: str) -> str:
@@ -155,20 +339,16 @@ class RayPool(Pool):
 
     def __init__(self, config: PoolConfig) -> None:
         super().__init__(config)
-        self.executor: Any = None
-        self.own_ray = False            # this pool called ray.init (so it calls ray.shutdown)
+        self.ranks: Any = None           # RayRanks (this kernel drives Ray) or HostedRanks
         self.exits: Dict[int, str] = {}  # rank -> how its engine or actor ended
         self.engine_pids: Dict[int, int] = {}
-        self._polls: Optional[List[Any]] = None
-        self._polled = 0.0
         self.nodes_text = ""
 
     # ------------------------------------------------------------------ start / stop
     def start(self, sink: Optional[OutputSink] = None) -> "RayPool":
         ipp = ipyparallel()
         try:
-            import ray
-            from ...ray import RayExecutor
+            import ray  # noqa: F401 - only to say early that it is missing
         except ImportError as exc:
             raise PoolError(f"--ray needs Ray in this kernel's environment ({exc}); "
                             "pip install 'ray>=2.58'") from None
@@ -186,10 +366,13 @@ class RayPool(Pool):
         self.config.workdir = workdir
         limit = settings.get("HVD_MAGIC_START_TIMEOUT")
         try:
-            self._connect(ray, local)
+            # a local Ray runs in a loopback-only network namespace where one can be made
+            # (its processes listen on every address otherwise)
+            hosted = local and self.config.netns
+            self.ranks = HostedRanks(workdir) if hosted else RayRanks()
+            gcs = self.ranks.connect(self.config.ray, self.config.np)
             if not local:
                 from ipyparallel.util import select_random_ports
-                gcs = ray.get_runtime_context().gcs_address
                 self.config.controller_ip = _address_towards(gcs.rsplit(":", 1)[0])
                 self.config.ports = select_random_ports(16)
             self.plan = plan = plan_ray_pool(self.config, local)
@@ -204,14 +387,8 @@ class RayPool(Pool):
                                     os.path.join(workdir, "controller.log"))
             self.client = ipp.Client(plan.client_file, timeout=limit)
             self.client.session.digest_history_size = 4096
-            self.executor = RayExecutor(
-                RayExecutor.create_settings(timeout_s=int(limit),
-                                            placement_group_timeout_s=int(limit)),
-                num_workers=self.config.np, cpus_per_worker=1)
-            self.executor.start(executable_cls=EngineHost, extra_env_vars=plan.engine_env)
-            pids = ray.get([w.execute.remote(engine_pid) for w in self.executor.workers],
-                           timeout=limit)
-            self.engine_pids = dict(enumerate(pids))
+            placed = self.ranks.place(self.config.np, plan.engine_env, limit)
+            self.engine_pids = dict(enumerate(placed["pids"]))
             self._wait_until_registered(sink, t0, limit)
         except BaseException as exc:
             log = tail(os.path.join(workdir, "controller.log"), 2000).strip()
@@ -222,9 +399,9 @@ class RayPool(Pool):
                             + (f"\n--- controller.log ---\n{log}" if log else "")) from exc
         self.known = descendants(self.controller.pid)
         self._learn_where()
-        for r, node in enumerate(self.executor.nodes):
+        for r, node in enumerate(placed["nodes"]):
             self.hosts[r] = f"{node['hostname']} ({node['ip']})"
-        self.nodes_text = self._nodes_text(ray)
+        self.nodes_text = self._nodes_text(placed)
         self.started_s = time.monotonic() - t0
         if sink is not None:
             sink.status(self.nodes_text)
@@ -232,28 +409,12 @@ class RayPool(Pool):
                 sink.status(f"hvd: note: {note}")
         return self
 
-    def _connect(self, ray: Any, local: bool) -> None:
-        """``ray.init`` unless this kernel is connected already (then the pool uses that
-        connection and leaves it open)."""
-        if ray.is_initialized():
-            return
-        if local:
-            ray.init(address=LOCAL, _node_ip_address="127.0.0.1", include_dashboard=False,
-                     num_cpus=max(self.config.np, os.cpu_count() or 1),
-                     log_to_driver=False, configure_logging=False)
-        else:
-            ray.init(address=self.config.ray, log_to_driver=False, configure_logging=False)
-        self.own_ray = True
-
-    def _nodes_text(self, ray: Any) -> str:
+    def _nodes_text(self, placed: Dict[str, Any]) -> str:
         """``hvd: Ray cluster ...: 2 nodes; node A (10.0.0.1): rank 0; ...``."""
         by_node: Dict[str, List[int]] = {}
-        for r, node in enumerate(self.executor.nodes):
+        for r, node in enumerate(placed["nodes"]):
             by_node.setdefault(f"{node['hostname']} ({node['ip']})", []).append(r)
-        try:
-            alive = len([n for n in ray.nodes() if n.get("Alive")])
-        except Exception:  # noqa: BLE001 - only for the words
-            alive = len(by_node)
+        alive = placed.get("alive") or len(by_node)
         where = "local Ray" if self.config.ray == LOCAL else f"Ray cluster {self.config.ray}"
         parts = [f"node {name}: {'ranks' if len(rs) > 1 else 'rank'} "
                  f"{','.join(map(str, rs))}" for name, rs in by_node.items()]
@@ -288,56 +449,20 @@ class RayPool(Pool):
     def stop(self) -> None:
         """Stop the engines, the actors (and their placement group), the controller; then
         the Ray instance this pool started (or this kernel's connection it opened)."""
-        executor, self.executor = self.executor, None
-        if executor is not None and executor.workers:
-            try:
-                import ray
-                refs = [w.execute.remote(stop_engine) for w in executor.workers]
-                ray.wait(refs, num_returns=len(refs), timeout=STOP_WAIT_S)
-            except Exception:  # noqa: BLE001 - the actors are killed next anyway
-                pass
-            executor.shutdown()
+        ranks, self.ranks = self.ranks, None
+        if ranks is not None:
+            ranks.stop()
         super().stop()
-        if self.own_ray:
-            self.own_ray = False
-            import ray
-            ray.shutdown()
 
     # ------------------------------------------------------------------ liveness
     def _poll(self, wait: float = 0.0) -> None:
-        """Ask every actor whether its engine still runs (at most every :data:`POLL_S` s,
-        without blocking unless ``wait``); what ended goes to :attr:`exits`."""
-        executor = self.executor
-        if executor is None or not executor.workers:
-            return
-        import ray
-        if self._polls is None:
-            if not wait and time.monotonic() - self._polled < POLL_S:
-                return
-            self._polls = [w.execute.remote(engine_exit) for w in executor.workers]
-            self._polled = time.monotonic()
-        ready, _ = ray.wait(self._polls, num_returns=len(self._polls), timeout=wait)
-        if len(ready) < len(self._polls):
-            return
-        polls, self._polls = self._polls, None
-        for r, ref in enumerate(polls):
-            node = executor.nodes[r] if r < len(executor.nodes) else {}
-            on = f"on node {node.get('hostname', '?')} ({node.get('ip', '?')})"
-            try:
-                ended = ray.get(ref)
-            except ray.exceptions.RayError as exc:
-                self.exits.setdefault(r, f"lost its Ray actor (worker pid {node.get('pid', '?')}) "
-                                         f"{on}: {type(exc).__name__}")
-                continue
-            if ended is not None:
-                code, output = ended
-                pid = self.engine_pids.get(r, "?")
-                how = describe_exit(code).replace("killed by SIG", "killed by signal SIG")
-                said = f"; its output ended with:\n{output}" if output and code > 0 else ""
-                self.exits.setdefault(r, f"{how} {on} (engine pid {pid}){said}")
+        """What ended among the ranks' engines and actors goes to :attr:`exits`."""
+        if self.ranks is not None:
+            for r, how in self.ranks.poll(wait).items():
+                self.exits.setdefault(r, how)
 
     def _job_ended(self) -> Optional[str]:
-        if self.controller is None or self.executor is None:
+        if self.controller is None or self.ranks is None:
             return "the pool was stopped"
         if self.controller.poll() is not None:
             return f"the controller {describe_exit(self.controller.returncode)}"
