@@ -75,6 +75,7 @@ def test_a_ray_pool_spans_both_nodes_and_keeps_state_between_cells(on_cluster):
     assert res["timeout"].startswith("PoolCellTimeout") and "the pool is ready" in \
         res["timeout"], res["timeout"]
     assert res["same_pool"] and res["third"] == res["second"]
+    assert res["pulled"] == [[7, [9.0] * 3], [14, [9.0] * 3]]
     # the engines' side of the controller: on the head host's address only, no wildcard
     assert res["engine_interface"] == f"tcp://{hosts.a.ip}"
     listen = [tuple(x) for x in res["controller_listen"]]
@@ -94,6 +95,7 @@ def test_a_killed_rank_ends_the_cell_naming_it(on_cluster):
     assert text.startswith("RankDiedError"), text
     assert "rank 1 died: killed by signal SIGKILL" in text and res["victim_node"] in text, text
     assert "rank 0" not in text.split("\n")[0].split("rank 1")[0], text
+    print(f"the cell ended {res['killed_after_s']:.2f} s after the kill")
     assert res["killed_after_s"] < 10, res["killed_after_s"]     # 5 s is the aim
     assert res["after_death_clean"] and res["left_after_death"] == [], res["left_after_death"]
 

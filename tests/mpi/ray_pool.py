@@ -118,6 +118,12 @@ if scenario == "cluster":
     shell.run_cell_magic("hvd", "--out third", "(hvd.rank(), w.tolist())")
     res["third"] = out("third")
     res["same_pool"] = mg.manager.pool is pool
+    # %hvd push / pull: a value from here to both ranks, and back from each
+    shell.user_ns["k"] = 7
+    shell.run_line_magic("hvd", "push k")
+    shell.run_cell_magic("hvd", "", "kw = [k * (hvd.rank() + 1), w.tolist()]")
+    shell.run_line_magic("hvd", "pull kw")
+    res["pulled"] = shell.user_ns["kw"]
     res["status"] = captured(lambda: shell.run_line_magic("hvd", "status"))
     engines = list(pool.engine_pids.values())
     shell.run_line_magic("hvd", "stop")
@@ -143,6 +149,8 @@ if scenario == "cluster":
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         res["killed"] = f"{type(exc).__name__}: {exc}"
     res["killed_after_s"] = time.monotonic() - killed.get("at", time.monotonic())
+    print(f"killed rank 1's engine: the cell ended {res['killed_after_s']:.2f} s later",
+          file=sys.stderr)
     res["victim_node"] = pool.hosts.get(1)
     res["after_death_clean"] = gone_within(list(pool.engine_pids.values()), 10.0)
     time.sleep(1.0)
