@@ -13,6 +13,15 @@ from hvd_magic.widgets import model as M
 from hvd_magic.widgets.scaling import ScalePoint, parse_np_list, scale_rows, scale_text
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _test_shell():
+    """The test run's one IPython shell, started before any widget is made: the widget
+    libraries make a plain ``InteractiveShell`` singleton otherwise, and the terminal shell
+    that later tests start (``globalipapp``) cannot coexist with it."""
+    from IPython.testing.globalipapp import start_ipython
+    start_ipython()
+
+
 # ---------------------------------------------------------------- logs
 
 def test_log_lines_split_streams_and_partial():
