@@ -101,8 +101,12 @@ def test_a_killed_rank_ends_the_cell_naming_it(on_cluster):
 
 
 @pytest.mark.slow
-def test_a_local_ray_pool_started_and_stopped_with_the_pool():
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0",
+@pytest.mark.parametrize("netns", ["1", "0"])
+def test_a_local_ray_pool_started_and_stopped_with_the_pool(netns):
+    """``HVD_MAGIC_NETNS=1``: the Ray runs in a loopback-only namespace where one can be
+    made; ``0``: this kernel drives it (as where none can be made), and the start says
+    that it listens on this machine's addresses."""
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", HVD_MAGIC_NETNS=netns,
                PATH=f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '')}")
     proc = subprocess.run([sys.executable, DRIVER, "local"], env=env, capture_output=True,
                           text=True, timeout=300)
@@ -115,6 +119,9 @@ def test_a_local_ray_pool_started_and_stopped_with_the_pool():
     assert not [x for x in res["listen"] if "kernel.controller" in x[2]], res["listen"]
     if res["netns"]:
         assert res["listen"] == [], res["listen"]
+    else:
+        assert netns == "0" or netns_hosts.unusable_reason()
+        assert "listens on this machine's addresses" in res["start_text"], res["start_text"]
     assert res["killed"].startswith("RankDiedError") and \
         "rank 1 died: killed by signal SIGKILL" in res["killed"], res["killed"]
     # the Ray processes the pool started are gone after %hvd stop

@@ -12,15 +12,17 @@ output code this pool shares); what differs is where the ranks come from and how
 one is seen: each actor is asked every :data:`POLL_S` s whether its engine still runs, so
 a killed engine (or a lost actor) ends the running cell naming its rank and node.
 
-``ADDRESS`` is what ``ray.init(address=...)`` takes (``auto``, ``host:port``); without one
-(``--ray`` alone, which is ``ray.init``'s ``local``) the pool starts a Ray instance of its
-own on this machine, and ``ray.shutdown()`` stops the processes that call started when the
-pool stops. That Ray listens on this machine's addresses (its GCS and raylets bind the
-wildcard address whatever ``_node_ip_address`` says); the pool's start says so. Where the
-controller listens: with a local Ray, on Unix sockets only (the ranks are on this
-machine); on a cluster, the engines' side listens on the address of this machine on its
-route to the cluster's head (the address the nodes reach it by) and nowhere else, and the
-pool's start says so.
+``ADDRESS`` is what ``ray.init(address=...)`` takes (``auto``, ``host:port``): this kernel
+connects as Ray's driver (:class:`RayRanks`), and the engines' side of the controller
+listens on the address of this machine on its route to the cluster's head (the address the
+nodes reach it by) and nowhere else; the pool's start says so. Without one (``--ray``
+alone, which is ``ray.init``'s ``local``) the pool starts a Ray of its own on this machine,
+driven by a :mod:`.ray_host` process in a loopback-only network namespace
+(:class:`HostedRanks`): Ray's processes bind every address they see, so there they are
+reachable from nowhere else, and the ranks reach the controller over Unix sockets. Where
+no namespace can be made, this kernel drives that Ray itself and the start says that it
+listens on this machine's addresses. ``ray.shutdown()`` stops the processes the pool's
+``ray.init`` started, never others (no ``ray stop``).
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ from .liveness import Seen
 from .output import OutputSink, PoolError, n_ranks
 from .plan import CLUSTER_ID, NO_NAMESPACE, PoolConfig, PoolPlan, check_request, connection_info, \
     controller_argv, stacks_dir
-from .pool import Pool
+from .pool import DIGEST_HISTORY, Pool
 from .procs import RankExit, describe_exit, descendants, spawn, stop_tree, tail
 
 #: ``--ray`` without an address: ``ray.init``'s own word for a new local instance.
@@ -386,7 +388,7 @@ class RayPool(Pool):
             self.controller = spawn(plan.controller_argv, dict(os.environ, PYTHONUNBUFFERED="1"),
                                     os.path.join(workdir, "controller.log"))
             self.client = ipp.Client(plan.client_file, timeout=limit)
-            self.client.session.digest_history_size = 4096
+            self.client.session.digest_history_size = DIGEST_HISTORY
             placed = self.ranks.place(self.config.np, plan.engine_env, limit)
             self.engine_pids = dict(enumerate(placed["pids"]))
             self._wait_until_registered(sink, t0, limit)
