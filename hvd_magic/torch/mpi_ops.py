@@ -24,6 +24,7 @@ import torch
 
 import hvd_magic.collectives as C
 from hvd_magic.collectives import Average, Handle, ProcessSet, Sum, global_process_set
+from hvd_magic.collectives.api import run_allreduce
 from hvd_magic.collectives.grouped import grouped_allgather_rows
 from hvd_magic.collectives.ops import resolve_op, to_op
 
@@ -240,9 +241,8 @@ def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optio
                op: Any = None, prescale_factor: float = 1.0,
                postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In-place :func:`allreduce`: ``tensor`` holds the result on every rank and is returned."""
-    return C.allreduce_(_tensor(tensor, "allreduce_"), name=name, op=_op(average, op, "allreduce_"),
-                        prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                        process_set=process_set)
+    return run_allreduce(_tensor(tensor, "allreduce_"), tensor, name, _op(average, op, "allreduce_"),
+                         prescale_factor, postscale_factor, process_set)
 
 
 def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,

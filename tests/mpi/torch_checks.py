@@ -311,6 +311,23 @@ for oname, mk in {"adam": lambda ps, r: torch.optim.Adam(ps, lr=0.01 * (r + 1), 
                 FAILS.append(f"broadcast {oname} root_has_state={root_has_state}: differ after a step")
 
 
+@check("blocking allreduce_ on the same, a changed and a new tensor")
+def _():
+    r, n = hvd.rank(), hvd.size()
+    t = torch.zeros(8)
+    for step in range(6):          # the same tensor: from the second call on, reused as is
+        t.fill_(float(r + step))
+        hvd.allreduce_(t, name="same", op=hvd.Sum)
+        close(f"same tensor step {step}", t, torch.full((8,), float(n * (n - 1) / 2 + n * step)), 1e-6)
+    t.set_(torch.full((8,), float(r)))    # the same tensor object, other memory
+    hvd.allreduce_(t, name="same", op=hvd.Sum)
+    close("same tensor, other memory", t, torch.full((8,), float(n * (n - 1) / 2)), 1e-6)
+    for step in range(3):          # a new tensor each step (gradients set to None)
+        u = torch.full((8,), float(r + 1))
+        hvd.allreduce_(u, name="same")
+        close(f"new tensor step {step}", u, torch.full((8,), (n + 1) / 2), 1e-6)
+
+
 @check("broadcast_parameters named list and root 1")
 def _():
     torch.manual_seed(R)
