@@ -204,7 +204,7 @@ def test_scale_shows_a_table_and_returns_the_points_not_a_list(ip, capsys):
     assert isinstance(points, ScaleResult) and [p.np for p in points] == [2]
     assert points[0].total and points[0].total > 0
     out = capsys.readouterr().out
-    assert "ranks   samples/s" in out and "efficiency" in out, out
+    assert "ranks   samples/s" in out and "efficiency" in out and "predicted" in out, out
     assert "ScalePoint(" not in out and "[ScalePoint" not in repr(points), out
 
 

@@ -524,6 +524,7 @@ for step in range(300):      # the same count on every rank (a time limit would 
 """
 pts = ip.run_cell("%%hvd scale --np 1,2\\n" + code).result   # displayed, as a cell's value is
 print("SIZES", [p.np for p in pts], "RATES", all(p.total > 0 for p in pts))
+print("PREDICTED", pts[1].predicted)
 ip.run_line_magic("hvd", "stop")
 ''')
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
@@ -531,6 +532,15 @@ ip.run_line_magic("hvd", "stop")
     assert proc.returncode == 0, out + proc.stderr
     assert "SIZES [1, 2] RATES True" in out
     assert "efficiency" in out and "100%" in out      # the table, with the 1-rank row at 100%
+    # the predicted column: the what-if model's efficiency for 2 ranks, shown in its row,
+    # with what it assumed about the link (no %hvd doctor ran: this host's defaults)
+    head = next(ln for ln in out.splitlines() if "ranks" in ln and "ideal" in ln)
+    assert head.split()[-1] == "predicted", out
+    pred = float(out.split("PREDICTED ")[1].split()[0])
+    assert 0 < pred <= 1
+    row2 = next(ln for ln in out.splitlines() if ln.split()[:1] == ["2"])
+    assert row2.split()[-1] == f"{100 * pred:.0f}%", out
+    assert "link: no doctor measurement: defaults" in out, out
 
 
 def test_background_renderer_drains_ticks_and_lets_go():

@@ -6,7 +6,7 @@ import time
 from typing import Any, Callable, List, Optional, Sequence
 
 from ..widgets.model import fmt_rate
-from ..widgets.scaling import ScalePoint, ScaleResult, parse_np_list, scale_rows
+from ..widgets.scaling import ScalePoint, ScaleResult, parse_np_list
 
 
 def scale(manager: Any, code: str, nps: Any) -> ScaleResult:
@@ -20,7 +20,11 @@ def run_scaling(manager: Any, code: str, nps: Sequence[int],
                 progress: Optional[Callable[[str], None]] = None) -> List[ScalePoint]:
     """Run ``code`` on pools of each size in ``nps`` (restarting the pool as needed) with
     telemetry on; returns the measured points. Needs ``hvd_magic.report(samples=n)`` in the
-    cell. The 1-rank throughput becomes the baseline of later cells with the same code."""
+    cell. The 1-rank throughput becomes the baseline of later cells with the same code.
+    Each point's predicted efficiency is the live panel's (:meth:`CellState.predicted`): the
+    what-if model fed with the 1-rank step time, the gradient bytes the ranks' allreduces
+    carried per step, and the last ``%hvd doctor`` of the pool's hosts (else this host's
+    defaults); None for one rank or when the ranks' allreduces carried no bytes."""
     from ..widgets.session import session
     from ..widgets.text import TelemetryTextSink
     points: List[ScalePoint] = []
@@ -31,11 +35,14 @@ def run_scaling(manager: Any, code: str, nps: Sequence[int],
         t0 = time.time()
         pool.run_cell(code, snk)
         cell = snk.cell
+        pred = cell.predicted()          # the panel's prediction, from this run's measurements
         points.append(ScalePoint(n, cell.total_rate(), cell.rates(), cell.comm_mean(),
-                                 time.time() - t0))
+                                 time.time() - t0,
+                                 pred.predicted if pred else None,
+                                 pred.source() if pred else ""))
+        if n == 1 and cell.total_rate():
+            # the 1-rank run is the baseline (its step time) of the larger sizes' predictions
+            session().set_baseline(cell.total_rate(), code)
         if progress:
             progress(f"hvd scale: {n} rank(s): {fmt_rate(cell.total_rate())} samples/s")
-    rows = scale_rows(points)
-    if rows and rows[0]["np"] == 1 and rows[0]["total"]:
-        session().set_baseline(rows[0]["total"], code)
     return points

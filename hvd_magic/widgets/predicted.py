@@ -76,12 +76,18 @@ class Comparison:
     baseline: bool
     link: Link
 
+    def source(self) -> str:
+        """What the prediction assumed about the link: ``"doctor: 9.8 Gbit/s, 40 us"`` or
+        ``"no doctor measurement: defaults"``."""
+        if self.link.doctor:
+            return f"doctor: {self.link.gbit:.3g} Gbit/s, {self.link.latency_us:.0f} us"
+        return "no doctor measurement: defaults"
+
     def text(self) -> str:
         """``"efficiency: measured 62%, predicted 95% (doctor: 9.8 Gbit/s, 40 us); of the
         33-point gap, 30 points are communication, 3 the rest"``."""
         how = "" if self.baseline else " (compute share of the step: no 1-rank baseline)"
-        src = (f"doctor: {self.link.gbit:.3g} Gbit/s, {self.link.latency_us:.0f} us"
-               if self.link.doctor else "no doctor measurement: defaults")
+        src = self.source()
         head = (f"efficiency: measured {_pct(self.measured)}{how}, predicted "
                 f"{_pct(self.predicted)} ({src})")
         gap = round(100 * self.predicted) - round(100 * self.measured)

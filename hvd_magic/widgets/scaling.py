@@ -8,6 +8,7 @@ each size is the magics' (:mod:`hvd_magic.magics.scale`): a view only draws.
 """
 from __future__ import annotations
 
+import html
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -16,13 +17,17 @@ from .model import fmt_pct, fmt_rate
 
 @dataclass
 class ScalePoint:
-    """One pool size's measurement: total samples/s, per rank, communication share."""
+    """One pool size's measurement: total samples/s, per rank, communication share; and the
+    efficiency the what-if model predicts for it (``predicted``, 0..1) with what that
+    assumed about the link (``predicted_from``, e.g. ``"no doctor measurement: defaults"``)."""
 
     np: int
     total: Optional[float]
     per_rank: Dict[int, Optional[float]] = field(default_factory=dict)
     comm: Optional[float] = None
     wall_s: float = 0.0
+    predicted: Optional[float] = None
+    predicted_from: str = ""
 
 
 def parse_np_list(text: str) -> List[int]:
@@ -34,7 +39,7 @@ def parse_np_list(text: str) -> List[int]:
 
 
 def scale_rows(points: Sequence[ScalePoint]) -> List[Dict[str, Any]]:
-    """One row per size: ``np, total, ideal, speedup, efficiency, comm``. The baseline is
+    """One row per size: ``np, total, ideal, speedup, efficiency, comm, predicted``. The baseline is
     the 1-rank point's throughput (else the smallest size's, per rank)."""
     pts = sorted(points, key=lambda p: p.np)
     base = None
@@ -48,17 +53,29 @@ def scale_rows(points: Sequence[ScalePoint]) -> List[Dict[str, Any]]:
         rows.append({"np": p.np, "total": p.total, "ideal": ideal,
                      "speedup": (p.total / base) if (base and p.total) else None,
                      "efficiency": (p.total / ideal) if (ideal and p.total) else None,
-                     "comm": p.comm})
+                     "comm": p.comm, "predicted": p.predicted})
     return rows
 
 
+def predicted_source(points: Sequence[ScalePoint]) -> str:
+    """The line under the table saying what the predicted column assumed about the link."""
+    srcs = sorted({p.predicted_from for p in points if p.predicted is not None})
+    if not srcs:
+        return ""
+    return "predicted: the what-if model (%hvd doctor --what-if) from the 1-rank step time " \
+           f"and the gradient bytes per step; link: {'; '.join(srcs)}"
+
+
 def scale_text(points: Sequence[ScalePoint]) -> str:
-    lines = [f"{'ranks':>5}  {'samples/s':>10}  {'ideal':>10}  {'speedup':>7}  {'efficiency':>10}  comm",]
+    lines = [f"{'ranks':>5}  {'samples/s':>10}  {'ideal':>10}  {'speedup':>7}  {'efficiency':>10}  "
+             f"{'comm':>5}  predicted"]
     for r in scale_rows(points):
         sp = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
         lines.append(f"{r['np']:>5}  {fmt_rate(r['total']):>10}  {fmt_rate(r['ideal']):>10}  "
-                     f"{sp:>7}  {fmt_pct(r['efficiency']):>10}  {fmt_pct(r['comm'])}")
-    return "\n".join(lines)
+                     f"{sp:>7}  {fmt_pct(r['efficiency']):>10}  {fmt_pct(r['comm']):>5}  "
+                     f"{fmt_pct(r['predicted'])}")
+    src = predicted_source(points)
+    return "\n".join(lines + ([src] if src else []))
 
 
 def plot_scaling(points: Sequence[ScalePoint]) -> Any:
@@ -68,7 +85,7 @@ def plot_scaling(points: Sequence[ScalePoint]) -> Any:
     from bokeh.plotting import figure
     rows = scale_rows(points)
     src = ColumnDataSource({k: [r[k] if r[k] is not None else float("nan") for r in rows]
-                            for k in ("np", "total", "ideal", "efficiency", "comm")})
+                            for k in ("np", "total", "ideal", "efficiency", "comm", "predicted")})
     f1 = figure(height=260, width=380, title="throughput", x_axis_label="ranks",
                 y_axis_label="samples/s", tools="pan,wheel_zoom,reset,save")
     f1.line("np", "ideal", source=src, line_dash="dashed", color="#888", legend_label="ideal")
@@ -79,6 +96,8 @@ def plot_scaling(points: Sequence[ScalePoint]) -> Any:
                 y_axis_label="efficiency", y_range=(0, 1.1), tools="pan,wheel_zoom,reset,save")
     f2.line("np", "efficiency", source=src, color="#2ca02c", legend_label="efficiency")
     f2.scatter("np", "efficiency", source=src, size=8, color="#2ca02c")
+    f2.line("np", "predicted", source=src, color="#9467bd", line_dash="dashed",
+            legend_label="predicted")
     f2.line("np", "comm", source=src, color="#d62728", line_dash="dotted",
             legend_label="communication share")
     f2.legend.location = "bottom_left"
@@ -92,15 +111,17 @@ def plot_scaling(points: Sequence[ScalePoint]) -> Any:
 def scale_html(points: Sequence[ScalePoint]) -> str:
     """The table of :func:`scale_text` as HTML."""
     head = "".join(f"<th>{h}</th>" for h in ("ranks", "samples/s", "ideal", "speedup",
-                                             "efficiency", "communication"))
+                                             "efficiency", "communication", "predicted"))
     body = []
     for r in scale_rows(points):
         sp = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
         cells = (str(r["np"]), fmt_rate(r["total"]), fmt_rate(r["ideal"]), sp,
-                 fmt_pct(r["efficiency"]), fmt_pct(r["comm"]))
+                 fmt_pct(r["efficiency"]), fmt_pct(r["comm"]), fmt_pct(r["predicted"]))
         body.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    src = predicted_source(points)
+    note = f'<div class="hvd-scale-src">{html.escape(src)}</div>' if src else ""
     return (f'<table class="hvd-scale"><thead><tr>{head}</tr></thead>'
-            f"<tbody>{''.join(body)}</tbody></table>")
+            f"<tbody>{''.join(body)}</tbody></table>{note}")
 
 
 class ScaleResult(list):
