@@ -77,12 +77,9 @@ class Pool:
         return len(self.engines)
 
     # ------------------------------------------------------------------ start / stop
-    def start(self, sink: Optional[OutputSink] = None) -> "Pool":
-        """Start controller, engines and client; return when every rank is registered."""
-        ipp = ipyparallel()
-        t0 = time.monotonic()
-        if sink is not None:
-            sink.status(f"hvd: starting {n_ranks(self.config.np)} ...")
+    def make_workdir(self) -> str:
+        """A private directory for this pool's files (stale ones of dead pools removed
+        first), set as ``config.workdir``."""
         try:
             clean_stale_dirs(short_tmp())
         except Exception:  # noqa: BLE001 - housekeeping only
@@ -90,6 +87,15 @@ class Pool:
         workdir = tempfile.mkdtemp(prefix="hvdm-", dir=short_tmp())
         os.chmod(workdir, 0o700)
         self.config.workdir = workdir
+        return workdir
+
+    def start(self, sink: Optional[OutputSink] = None) -> "Pool":
+        """Start controller, engines and client; return when every rank is registered."""
+        ipp = ipyparallel()
+        t0 = time.monotonic()
+        if sink is not None:
+            sink.status(f"hvd: starting {n_ranks(self.config.np)} ...")
+        workdir = self.make_workdir()
         self.plan = plan = plan_pool(self.config)
         _POOLS.add(self)
         try:

@@ -39,7 +39,7 @@ from dataclasses import replace
 from typing import Any, Dict, List, Optional
 
 from ... import config as settings
-from .cells import clean_stale_dirs, ipyparallel, short_tmp
+from .cells import ipyparallel
 from .liveness import Seen
 from .output import OutputSink, PoolError, n_ranks
 from .plan import CLUSTER_ID, NO_NAMESPACE, PoolConfig, PoolPlan, check_request, connection_info, \
@@ -359,13 +359,7 @@ class RayPool(Pool):
         where = "a local Ray" if local else f"the Ray cluster at {self.config.ray}"
         if sink is not None:
             sink.status(f"hvd: starting {n_ranks(self.config.np)} on {where} ...")
-        try:
-            clean_stale_dirs(short_tmp())
-        except Exception:  # noqa: BLE001 - housekeeping only
-            pass
-        workdir = tempfile.mkdtemp(prefix="hvdm-", dir=short_tmp())
-        os.chmod(workdir, 0o700)
-        self.config.workdir = workdir
+        workdir = self.make_workdir()
         limit = settings.get("HVD_MAGIC_START_TIMEOUT")
         try:
             # a local Ray runs in a loopback-only network namespace where one can be made
