@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from hvd_magic.runner.launch import clear_stale_sessions
+
 HERE = Path(__file__).parent
 MPIEXEC = str(Path(sys.executable).with_name("mpiexec"))
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
@@ -27,12 +29,19 @@ def mpi_env(extra: dict | None = None) -> dict:
     return env
 
 
+def start_job(cmd: list, env: dict) -> subprocess.Popen:
+    """Start a launcher in a session of its own, its output piped. Session files of
+    launchers killed earlier (a test may kill one) are cleared first, as hvdrun does."""
+    clear_stale_sessions(env)
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
 def run_job(cmd: list, env: dict, timeout: float, what: str) -> subprocess.CompletedProcess:
-    """Run a launcher (mpiexec, hvdrun) in a session of its own; past ``timeout``, end the
+    """Run a launcher (mpiexec, hvdrun) with :func:`start_job`; past ``timeout``, end the
     whole session (SIGTERM, so mpiexec stops its ranks; SIGKILL 3 s later) and fail with both
     streams. Killing only the launcher would leave its ranks running, using a core."""
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = start_job(cmd, env)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -48,20 +57,12 @@ def run_job(cmd: list, env: dict, timeout: float, what: str) -> subprocess.Compl
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-#: What prterun prints when it fails before starting any rank.
-LAUNCHER_FAILED = "The PMIx server's listener thread failed to start"
-
-
 def mpirun(script: str, np: int, *args: str, env: dict | None = None, timeout: float = 120,
            check: bool = True) -> subprocess.CompletedProcess:
     """Run tests/mpi/<script> under `mpiexec -n np`; fail with both streams shown on error."""
     path = HERE / "mpi" / script
     cmd = [MPIEXEC, "-n", str(np), sys.executable, str(path), *args]
     proc = run_job(cmd, mpi_env(env), timeout, f"{script} at {np} ranks")
-    if LAUNCHER_FAILED in proc.stderr and not proc.stdout:
-        # Open MPI's launcher could not start its PMIx listener (once in a CI run here; other
-        # projects' CI meets it too): no rank ran, so the job is started again once
-        proc = run_job(cmd, mpi_env(env), timeout, f"{script} at {np} ranks")
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} at {np} ranks exited {proc.returncode}\n"
                              f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")

@@ -287,6 +287,43 @@ def test_exit_code_is_the_jobs():
     assert "rank 0 1048576 3" in proc.stdout and "rank 1 1048576 3" in proc.stdout
 
 
+def test_a_launcher_killed_earlier_does_not_fail_the_next_job():
+    """Open MPI's launcher killed with SIGKILL leaves its session files in <tmp>/ompi.<pid>;
+    a later launcher given that pid failed before starting any rank ("The PMIx server's
+    listener thread failed to start"; pids wrap at 32,768 here). With such files at each of
+    the next 300 pids, hvdrun still runs the job, and the killed launcher's files are gone."""
+    import shutil
+    import tempfile
+    tmp = tempfile.mkdtemp(prefix="hvdt-", dir="/tmp")
+    env = {**os.environ, "TMPDIR": tmp, "OMPI_ALLOW_RUN_AS_ROOT": "1",
+           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    try:
+        killed = subprocess.Popen([launch.find_mpiexec(), "-n", "1", "sleep", "3"], env=env,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        stale = Path(tmp) / f"ompi.{killed.pid}"
+        deadline = time.monotonic() + 30
+        while not (stale / "1").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        killed.kill()
+        killed.wait()
+        assert (stale / "1").exists(), "the launcher made no session directory"
+        with open("/proc/sys/kernel/pid_max") as f:
+            pid_max = int(f.read())
+        with open("/proc/sys/kernel/ns_last_pid") as f:
+            last = int(f.read())
+        for i in range(1, 301):
+            pid = last + i if last + i < pid_max else last + i - pid_max + 300
+            if not os.path.exists(f"/proc/{pid}"):
+                shutil.copytree(stale, Path(tmp) / f"ompi.{pid}", dirs_exist_ok=True)
+        proc = hvdrun("-np", "2", "python", "-c", "import os; print('ran', os.environ['OMPI_COMM_WORLD_RANK'])",
+                      env=env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert sorted(proc.stdout.split("\n"))[-2:] == ["ran 0", "ran 1"], proc.stdout
+        assert not stale.exists()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def test_three_ranks_on_two_cores_and_verbose(tmp_path):
     code = "from mpi4py import MPI; c = MPI.COMM_WORLD; print('sum', c.allreduce(c.rank))"
     proc = hvdrun("-np", "3", "--verbose", "--output-filename", str(tmp_path / "out"),

@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 
 import pytest
 
-from mpi_harness import HERE, MPIEXEC, mpi_env
+from mpi_harness import HERE, MPIEXEC, mpi_env, start_job
 
 from hvd_magic.collectives.timeline import NEGOTIATE, QUEUE, TimelineWriter
 
@@ -95,8 +94,7 @@ def test_timeline_is_readable_while_running_and_after_sigkill(mode, tmp_path):
     path = tmp_path / "timeline.json"
     extra = {"HOROVOD_TIMELINE": str(path)} if mode == "env" else {}
     cmd = [MPIEXEC, "-n", "2", sys.executable, str(HERE / "mpi" / "timeline_kill.py"), mode, str(path)]
-    proc = subprocess.Popen(cmd, env=mpi_env(extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = start_job(cmd, mpi_env(extra))
     try:
         # While the job runs: the file is there, non-empty and a loadable trace holding
         # both ranks' allreduces (read twice: it grows as the loop goes on).
@@ -164,8 +162,7 @@ def test_a_hung_job_has_every_ranks_last_steps_in_the_file(tmp_path):
     to negotiate any more (the idle ranks still bring their events to rank 0)."""
     path = tmp_path / "timeline.json"
     cmd = [MPIEXEC, "-n", "2", sys.executable, str(HERE / "mpi" / "timeline_kill.py"), "hang", str(path)]
-    proc = subprocess.Popen(cmd, env=mpi_env({"HOROVOD_TIMELINE": str(path)}), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = start_job(cmd, mpi_env({"HOROVOD_TIMELINE": str(path)}))
 
     def last_step_rows():
         if not path.exists():

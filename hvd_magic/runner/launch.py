@@ -1,7 +1,7 @@
 """Doing, not deciding: find ``mpiexec``, detect its implementation, run the planned job.
 
-The thin layer around :func:`hvd_magic.runner.plan.plan_launch`: it forwards SIGINT/SIGTERM
-to ``mpiexec``, prints every rank's stack on SIGUSR1 (:mod:`hvd_magic.stacks`), kills the
+The thin layer around :func:`hvd_magic.runner.plan.plan_launch`: it clears what killed
+launchers left behind, forwards SIGINT/SIGTERM to ``mpiexec``, prints every rank's stack on SIGUSR1 (:mod:`hvd_magic.stacks`), kills the
 job on a timeout, and returns the job's exit code.
 """
 from __future__ import annotations
@@ -175,6 +175,42 @@ def _stop(proc: subprocess.Popen, grace: float = 5.0) -> None:
         proc.wait()
 
 
+def clear_stale_sessions(env: Optional[Mapping[str, str]] = None) -> List[str]:
+    """Remove Open MPI session directories whose launcher is gone; return their paths.
+
+    Open MPI's launcher keeps its session files in ``<tmp>/ompi.<its pid>`` and removes them
+    when it ends, unless it is killed with SIGKILL. A later launcher given the same pid (pids
+    wrap at 32,768 on many machines) then fails before starting any rank with "The PMIx
+    server's listener thread failed to start". Only this user's directories of pids that no
+    process has are removed, so a running job's files are never touched.
+    """
+    env = os.environ if env is None else env
+    base = (env.get("PRTE_MCA_prte_tmpdir_base") or env.get("TMPDIR") or env.get("TEMP")
+            or env.get("TMP") or "/tmp")
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        pid = name[5:]
+        if not name.startswith("ompi.") or not pid.isdigit():
+            continue
+        path = os.path.join(base, name)
+        try:
+            if os.lstat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)
+            continue                       # its launcher (or a process with its pid) runs
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue                       # gone meanwhile, or another user's process
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
 def execute(argv: Sequence[str], env: Mapping[str, str], *, timeout: Optional[float] = None,
             on_line: Optional[Callable[[str, str], None]] = None) -> int:
     """Run ``argv`` in its own session; return its exit code (128+N if killed by signal N).
@@ -189,6 +225,7 @@ def execute(argv: Sequence[str], env: Mapping[str, str], *, timeout: Optional[fl
     made = config.get("HVD_MAGIC_STACKS_DIR", env)
     if made in _MADE_DIRS:
         os.makedirs(made, mode=0o700)
+    clear_stale_sessions(env)
     proc = subprocess.Popen(list(argv), env=dict(env), stdout=pipe, stderr=pipe,
                             stdin=subprocess.DEVNULL, start_new_session=True)
     readers = []

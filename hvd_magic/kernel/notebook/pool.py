@@ -23,6 +23,7 @@ import weakref
 from typing import Any, Dict, List, Optional, Sequence
 
 from ... import config
+from ...runner.launch import clear_stale_sessions
 from . import liveness
 from .cells import CellOutcome, Pump, clean_stale_dirs, engine_lost, ipyparallel, notify, \
     rank_done, rank_error, rank_futures, short_tmp
@@ -110,6 +111,7 @@ class Pool:
             env["PYTHONUNBUFFERED"] = "1"
             self.controller = spawn(plan.controller_argv, env,
                                     os.path.join(workdir, "controller.log"))
+            clear_stale_sessions(plan.engine_env)
             self.mpiexec = spawn(plan.engine_argv, plan.engine_env,
                                  os.path.join(workdir, "mpiexec.log"))
             self.client = ipp.Client(plan.client_file, timeout=config.get("HVD_MAGIC_START_TIMEOUT"))
