@@ -231,5 +231,5 @@ except Exception:  # noqa: BLE001
 
 for f in FAILS:
     print(f"[rank {r}] FAIL {f}", flush=True)
-print("process_sets", "FAILED" if FAILS else "OK", flush=True)
+print("process_sets FAILED" if FAILS else "process_sets OK", flush=True)   # (one write: ranks share the pipe)
 sys.exit(1 if FAILS else 0)
