@@ -387,3 +387,24 @@ def test_the_ranks_exit_lines_decide_only_when_the_launcher_was_killed():
     # a rank that left when the job shrank reported the size it had then
     shrunk = ["[hvd_magic exit] rank=2 size=3 ok=1"] + done
     assert elastic_exit(134, shrunk)[0] == 0
+
+
+def test_a_collective_failing_on_a_revoked_communicator_is_a_lost_rank():
+    """A rank that fails revokes the communicators; on the others the revoke can land in
+    negotiation or in the data's allreduce, which MPI reports as MPI_ERR_REVOKED, or as
+    MPI_ERR_OTHER from a nonblocking collective. Either is the lost-rank error that
+    ``hvd.elastic.run`` starts again from: a plain error there ended the cell on the
+    survivors while the failed rank waited for them in Shrink (a hang, about 1 run in 5 of
+    the pool test above)."""
+    from mpi4py import MPI
+
+    from hvd_magic.collectives.errors import RankLostError, rank_lost_error
+
+    class Revoked:
+        def Is_revoked(self):
+            return True
+
+    assert isinstance(rank_lost_error(MPI.Exception(MPI.ERR_REVOKED), "rank 0"), RankLostError)
+    assert isinstance(rank_lost_error(MPI.Exception(MPI.ERR_OTHER), "rank 0", Revoked()),
+                      RankLostError)
+    assert rank_lost_error(MPI.Exception(MPI.ERR_OTHER), "rank 0") is None

@@ -225,7 +225,7 @@ class Engine:
                 try:
                     return reduce_now(tensor, out)
                 except Exception as exc:  # noqa: BLE001 - as the general path reports it
-                    raise HvdError(f"allreduce of {ann.name} failed on rank {self.me}: {exc!r}") from None
+                    raise self.executor.failed(f"allreduce of {ann.name}", exc) from None
             # the general path takes the request from here: the posted cycle, as if its
             # message had been taken (the caller's wait finishes the cycle)
             handle = Handle(ann.name, ann.kind, self)
@@ -238,7 +238,7 @@ class Engine:
         except BaseException as exc:  # noqa: BLE001 - MPI failed: the engine thread reports
             self._inline_exc = exc    # it, stops and fails every pending request
             self._ring()
-            raise HvdError(f"allreduce of {ann.name} failed on rank {self.me}: {exc!r}") from None
+            raise self.executor.failed(f"allreduce of {ann.name}", exc) from None
         finally:
             lock.release()
             restore_sigint(deferred)
@@ -318,7 +318,7 @@ class Engine:
         try:
             self._loop()
         except BaseException as exc:  # noqa: BLE001 - report anything, then fail pending work
-            lost = rank_lost_error(exc, f"rank {self.me}{self.where}")   # (no traceback then)
+            lost = rank_lost_error(exc, f"rank {self.me}{self.where}", self.comm)   # (no traceback then)
             self.dead = lost or exc
             if lost is None:
                 import traceback

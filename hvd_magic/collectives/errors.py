@@ -39,17 +39,26 @@ class RankLostError(HvdError):
     survivors; outside it, the job cannot go on."""
 
 
-def rank_lost_error(exc: BaseException, who: str):
+def rank_lost_error(exc: BaseException, who: str, comm=None):
     """The error for pending work when the engine thread failed with ``exc``: a
     :class:`RankLostError` when MPI (or, under the gloo controller, a torch.distributed
-    connection) reported a failed process, else None."""
+    connection) reported a failed process, or when ``comm`` (the communicator the failed call
+    ran on) was revoked, else None. (A revoked communicator can fail a nonblocking
+    collective with MPI_ERR_OTHER: Open MPI's schedule stops with MPI_ERR_REVOKED inside and
+    reports the request's error as OTHER.)"""
     if isinstance(exc, RankLostError):
         return exc
     from mpi4py import MPI
     if isinstance(exc, MPI.Exception):
         codes = [getattr(MPI, n) for n in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING",
                                            "ERR_REVOKED") if hasattr(MPI, n)]
-        if exc.Get_error_class() in codes:
+        revoked = False
+        if comm is not None and exc.Get_error_class() not in codes:
+            try:
+                revoked = bool(comm.Is_revoked())
+            except Exception:  # noqa: BLE001 - no fault tolerance, or the communicator is freed
+                pass
+        if revoked or exc.Get_error_class() in codes:
             return RankLostError(f"a rank was lost: the collectives of {who} failed "
                                  f"({exc.Get_error_string()})")
     return None

@@ -16,7 +16,8 @@ from mpi4py import MPI
 
 from .. import config as env
 from .config import Config
-from .errors import HvdError, JoinedRankError, ShutdownError, StallError, TensorMismatchError
+from .errors import HvdError, JoinedRankError, ShutdownError, StallError, TensorMismatchError, \
+    rank_lost_error
 from .fusion import Bucket
 from .handles import Handle, LocalReq
 from .negotiation import Response
@@ -150,11 +151,17 @@ class Executor:
             self.backend(entries[0][1].device, reqs[0]).allreduce(entries, self.size)
             err = None
         except Exception as exc:  # noqa: BLE001
-            names = ", ".join(r.name for r in responses)
-            err = HvdError(f"allreduce of {names} failed on {self.who}: {exc!r}")
+            err = self.failed("allreduce of " + ", ".join(r.name for r in responses), exc)
         for req in reqs:
             if req is not None:
                 req.handle.resolve(req.result, err)
+
+    def failed(self, what: str, exc: BaseException) -> HvdError:
+        """The error a request gets when its collective raised ``exc``: RankLostError when
+        a rank was lost (then ``hvd.elastic.run`` starts again on the others), else what
+        failed where."""
+        return (rank_lost_error(exc, self.who, self.comm)
+                or HvdError(f"{what} failed on {self.who}: {exc!r}"))
 
     def _queue_events(self, entries: list, decided: float) -> None:
         if not self.tl.active:
@@ -203,7 +210,7 @@ class Executor:
                 raise HvdError(f"unknown operation {kind!r}")
             err = None
         except Exception as exc:  # noqa: BLE001
-            err = HvdError(f"{resp.kind} of tensor '{resp.name}' failed on {self.who}: {exc!r}")
+            err = self.failed(f"{resp.kind} of tensor '{resp.name}'", exc)
         if req is not None:
             req.handle.resolve(req.result, err)
         return False
