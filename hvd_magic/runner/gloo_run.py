@@ -22,12 +22,12 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence, TextIO
+from typing import Callable, Dict, FrozenSet, Iterator, List, Mapping, Optional, Sequence, TextIO
 
 from .. import config
 from .gloo_nanny import EXIT_MARK
 from .gloo_plan import RankStart, exit_text, hosts_text, place, plan_hosts
-from .launch import local_names
+from .launch import handling, local_names
 from .plan import LaunchArgs, horovod_env, is_single_host
 
 #: Seconds a rank may take to end after SIGTERM before it is killed.
@@ -112,7 +112,6 @@ def supervise(command: Sequence[str], envs: List[Dict[str, str]],
     output inherited) until all end; the first to fail stops the others. SIGINT/SIGTERM
     to hvdrun go to every rank."""
     procs: List[subprocess.Popen] = []
-    previous: Dict[int, object] = {}
     stopping: List[int] = []
 
     def forward(signum: int, _frame: object) -> None:
@@ -121,43 +120,46 @@ def supervise(command: Sequence[str], envs: List[Dict[str, str]],
             if p.poll() is None:
                 p.send_signal(signum)
 
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, forward)
     ended: "queue.Queue[tuple]" = queue.Queue()     # (rank, exit code) in the order they end
-    try:
-        for r, env in enumerate(envs):
-            p = subprocess.Popen(list(command), env=env, stdin=subprocess.DEVNULL,
-                                 start_new_session=True)
-            procs.append(p)
-            threading.Thread(target=lambda r=r, p=p: ended.put((r, p.wait())),
-                             daemon=True).start()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        left, worst = len(procs), 0
-        while left:
+    with handling({signal.SIGINT: forward, signal.SIGTERM: forward}):
+        try:
+            for r, env in enumerate(envs):
+                p = subprocess.Popen(list(command), env=env, stdin=subprocess.DEVNULL,
+                                     start_new_session=True)
+                procs.append(p)
+                threading.Thread(target=lambda r=r, p=p: ended.put((r, p.wait())),
+                                 daemon=True).start()
+            worst = 0
+            for r, c in _endings(ended, len(procs), timeout, lambda: _stop_all(procs)):
+                if c != 0 and not stopping and worst == 0:
+                    what = f"was killed by signal {-c}" if c < 0 else f"exited with status {c}"
+                    sys.stderr.write(f"hvdrun: rank {r} (pid {procs[r].pid}) {what}; stopping "
+                                     "the other ranks\n")
+                    sys.stderr.flush()
+                    _stop_all(procs)
+                if c != 0 and worst == 0:
+                    worst = 128 - c if c < 0 else c
+            return worst
+        except BaseException:
+            _stop_all(procs)
+            raise
+
+
+def _endings(ended: "queue.Queue", count: int, timeout: Optional[float],
+             stop: Callable[[], None]) -> Iterator:
+    """The first ``count`` items of ``ended`` (one per rank, as each ends); past ``timeout``
+    seconds, ``stop()`` the job and raise TimeoutError."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for _ in range(count):
+        while True:
             try:
-                r, c = ended.get(timeout=1.0)
+                item = ended.get(timeout=1.0)
+                break
             except queue.Empty:
                 if deadline is not None and time.monotonic() > deadline:
-                    _stop_all(procs)
+                    stop()
                     raise TimeoutError(f"the job ran past timeout={timeout:g} s and was stopped")
-                continue
-            left -= 1
-            if c != 0 and not stopping and worst == 0:
-                what = f"was killed by signal {-c}" if c < 0 else f"exited with status {c}"
-                sys.stderr.write(f"hvdrun: rank {r} (pid {procs[r].pid}) {what}; stopping the "
-                                 f"other ranks\n")
-                sys.stderr.flush()
-                _stop_all(procs)
-            if c != 0 and worst == 0:
-                worst = 128 - c if c < 0 else c
-        return worst
-    except BaseException:
-        _stop_all(procs)
-        raise
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
+        yield item
 
 
 def _stop_all(procs: List[subprocess.Popen]) -> None:
@@ -292,7 +294,6 @@ def supervise_hosts(starts: Sequence[RankStart], timeout: Optional[float] = None
     fails (or is lost) ends the job: hvdrun names it and its host and stops the others on
     every host. SIGINT/SIGTERM to hvdrun go to every rank."""
     ranks: List[_Rank] = []
-    previous: Dict[int, object] = {}
     stopping: List[int] = []
     ended: "queue.Queue[int]" = queue.Queue()
 
@@ -301,55 +302,42 @@ def supervise_hosts(starts: Sequence[RankStart], timeout: Optional[float] = None
         for r in ranks:
             r.ask(str(signum))
 
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, forward)
-    try:
-        for s in starts:
-            proc = subprocess.Popen(s.argv, env=s.env, stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    start_new_session=True)
-            rank = _Rank(s, proc)
-            ranks.append(rank)
-            threading.Thread(target=_pump_stdout, args=(rank, ended), daemon=True).start()
-            threading.Thread(target=_pump_stderr, args=(rank,), daemon=True).start()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        left, worst = len(ranks), 0
-        while left:
-            try:
-                r = ended.get(timeout=1.0)
-            except queue.Empty:
-                if deadline is not None and time.monotonic() > deadline:
+    with handling({signal.SIGINT: forward, signal.SIGTERM: forward}):
+        try:
+            for s in starts:
+                proc = subprocess.Popen(s.argv, env=s.env, stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        start_new_session=True)
+                rank = _Rank(s, proc)
+                ranks.append(rank)
+                threading.Thread(target=_pump_stdout, args=(rank, ended), daemon=True).start()
+                threading.Thread(target=_pump_stderr, args=(rank,), daemon=True).start()
+            worst = 0
+            for r in _endings(ended, len(ranks), timeout, lambda: _stop_ranks(ranks)):
+                rank = ranks[r]
+                if rank.status == 0:
+                    continue
+                agent = None
+                if rank.status is None:
+                    try:
+                        agent = rank.proc.wait(2.0)
+                    except subprocess.TimeoutExpired:
+                        pass
+                what, code = exit_text(rank.status, agent)
+                if not stopping and worst == 0:
+                    sys.stderr.write(f"hvdrun: rank {r} on {rank.start.place.host} {what}; "
+                                     "stopping the other ranks\n")
+                    sys.stderr.flush()
                     _stop_ranks(ranks)
-                    raise TimeoutError(f"the job ran past timeout={timeout:g} s and was stopped")
-                continue
-            left -= 1
-            rank = ranks[r]
-            if rank.status == 0:
-                continue
-            agent = None
-            if rank.status is None:
-                try:
-                    agent = rank.proc.wait(2.0)
-                except subprocess.TimeoutExpired:
-                    pass
-            what, code = exit_text(rank.status, agent)
-            if not stopping and worst == 0:
-                sys.stderr.write(f"hvdrun: rank {r} on {rank.start.place.host} {what}; "
-                                 "stopping the other ranks\n")
-                sys.stderr.flush()
-                _stop_ranks(ranks)
-            if worst == 0:
-                worst = code
-        return worst
-    except BaseException:
-        _stop_ranks(ranks)
-        raise
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
-        for rank in ranks:
-            _reap(rank.proc)
+                if worst == 0:
+                    worst = code
+            return worst
+        except BaseException:
+            _stop_ranks(ranks)
+            raise
+        finally:
+            for rank in ranks:
+                _reap(rank.proc)
 
 
 def _stop_ranks(ranks: List[_Rank]) -> None:

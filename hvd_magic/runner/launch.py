@@ -6,6 +6,7 @@ job on a timeout, and returns the job's exit code.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -17,7 +18,8 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, TextIO, Tuple
+from typing import Callable, Dict, FrozenSet, Iterator, List, Mapping, Optional, Sequence, TextIO, \
+    Tuple
 
 from .. import config
 from .plan import LOCAL_NAMES, MPICH, NETNS_NOTE, NO_NETNS_NOTE, OPENMPI, LaunchArgs, \
@@ -175,6 +177,22 @@ def _stop(proc: subprocess.Popen, grace: float = 5.0) -> None:
         proc.wait()
 
 
+@contextlib.contextmanager
+def handling(handlers: Mapping[int, Callable[[int, object], None]]) -> Iterator[None]:
+    """While the block runs, ``handlers`` (signal -> handler) replace the process's own, and
+    the previous ones come back after; off the main thread (where Python cannot set
+    handlers) nothing changes."""
+    previous: Dict[int, object] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig, handler in handlers.items():
+            previous[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+
+
 def clear_stale_sessions(env: Optional[Mapping[str, str]] = None) -> List[str]:
     """Remove Open MPI session directories whose launcher is gone; return their paths.
 
@@ -234,31 +252,29 @@ def execute(argv: Sequence[str], env: Mapping[str, str], *, timeout: Optional[fl
             t = threading.Thread(target=_pump, args=(stream, name, on_line), daemon=True)
             t.start()
             readers.append(t)
-    previous: Dict[int, object] = {}
-    if threading.current_thread() is threading.main_thread():
-        def forward(signum: int, _frame: object) -> None:
-            if proc.poll() is None:
-                proc.send_signal(signum)
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, forward)
-        d = made
-        if d and hasattr(signal, "SIGUSR1"):
-            def stacks(_signum: int, _frame: object) -> None:
-                # gathering waits up to 2 s for the ranks: not in the signal handler
-                threading.Thread(target=print_stacks, args=(d,), daemon=True).start()
-            previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, stacks)
+    def forward(signum: int, _frame: object) -> None:
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    def stacks(_signum: int, _frame: object) -> None:
+        # gathering waits up to 2 s for the ranks: not in the signal handler
+        threading.Thread(target=print_stacks, args=(made,), daemon=True).start()
+
+    handlers: Dict[int, Callable[[int, object], None]] = {signal.SIGINT: forward,
+                                                          signal.SIGTERM: forward}
+    if made and hasattr(signal, "SIGUSR1"):
+        handlers[signal.SIGUSR1] = stacks
     try:
-        try:
-            rc = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            _stop(proc)
-            raise TimeoutError(f"the job ran past timeout={timeout:g} s and was stopped") from None
-        except BaseException:
-            _stop(proc)
-            raise
+        with handling(handlers):
+            try:
+                rc = proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                _stop(proc)
+                raise TimeoutError(f"the job ran past timeout={timeout:g} s and was stopped") from None
+            except BaseException:
+                _stop(proc)
+                raise
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
         for t in readers:
             t.join(5)
         if made in _MADE_DIRS:
