@@ -8,7 +8,7 @@ import sys
 from typing import List, Optional, TextIO
 
 from .launch import MpiNotFoundError, detect_mpi, execute, execute_elastic, find_mpiexec, \
-    prepare
+    prepare, remote_size
 from .options import HVDRUN, SLURM_OPTIONS, add_options, given_without
 from .plan import LaunchArgs, autotune_env, parse_hostfile, parse_hosts, validate
 
@@ -176,7 +176,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 127
     except ValueError as exc:              # what only this MPI cannot do
         parser.error(str(exc))
-    return execute(argv_, env) if args.min_np is None else execute_elastic(argv_, env)
+    remote = remote_size(args)
+    return (execute(argv_, env, remote_size=remote) if args.min_np is None
+            else execute_elastic(argv_, env, remote))
 
 
 def _say(text: str) -> None:
@@ -252,8 +254,9 @@ def run_in_slurm(ns: argparse.Namespace, args: LaunchArgs, setup: List[str],
             from .setup_lines import run_setup
             run_setup(setup, alloc.hosts, alloc.job_id, env, status=_say)
         argv_, run_env = prepare(args, env)
-        return (execute(argv_, run_env) if args.min_np is None
-                else execute_elastic(argv_, run_env))
+        remote = remote_size(args)
+        return (execute(argv_, run_env, remote_size=remote) if args.min_np is None
+                else execute_elastic(argv_, run_env, remote))
     except (ValueError, SlurmError) as exc:
         sys.stderr.write(f"hvdrun: {exc}\n")
         return 1

@@ -16,10 +16,11 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, FrozenSet, Iterator, List, Mapping, Optional, Sequence, TextIO, \
-    Tuple
+from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Mapping, Optional, Sequence, \
+    TextIO, Tuple
 
 from .. import config
 from .plan import LOCAL_NAMES, MPICH, NETNS_NOTE, NO_NETNS_NOTE, OPENMPI, LaunchArgs, \
@@ -108,6 +109,12 @@ def local_names() -> FrozenSet[str]:
     return frozenset(names)
 
 
+def remote_size(args: LaunchArgs) -> Optional[int]:
+    """The job's size when some of its ranks may run on other hosts than this one (None:
+    all run here)."""
+    return args.np if args.hostfile or not is_single_host(args, local_names()) else None
+
+
 def prepare(args: LaunchArgs, env: Optional[Mapping[str, str]] = None,
             log: Optional[TextIO] = None) -> Tuple[List[str], Dict[str, str]]:
     """Detect MPI, decide on a namespace, plan; under ``args.verbose`` explain it on ``log``."""
@@ -151,12 +158,28 @@ def stacks_dir() -> str:
     return d
 
 
-def print_stacks(d: str, out: Optional[TextIO] = None) -> None:
-    """Every rank's stack, grouped, on ``out`` (stderr): what SIGUSR1 to hvdrun prints."""
+def print_stacks(d: str, out: Optional[TextIO] = None, job: Optional[subprocess.Popen] = None,
+                 size: Optional[int] = None, framed: Any = None) -> None:
+    """Every rank's stack, grouped, on ``out`` (stderr): what SIGUSR1 to hvdrun prints.
+    Ranks on this host answer into ``d``; with ``framed`` (a job on several hosts of ``size``
+    ranks), ``job`` (mpiexec, which forwards the signal to every rank on every host) is
+    asked too, and the others' stacks come from its stderr."""
     from ..stacks import dump, group
-    ranks = sorted(int(n[:-4]) for n in os.listdir(d) if n.endswith(".pid") and n[:-4].isdigit())
-    text = (group.render(dump.gather(d, ranks), title="hvdrun: the stacks") if ranks else
-            "hvdrun: no rank has registered for stacks yet (they do at hvd.init())")
+    local = sorted(int(n[:-4]) for n in os.listdir(d) if n.endswith(".pid") and n[:-4].isdigit())
+    remote = ([r for r in range(size) if r not in set(local)]
+              if framed is not None and size else [])
+    since = time.monotonic()
+    if remote and job is not None and job.poll() is None:
+        job.send_signal(dump.SIGNAL)
+    stacks = {s.rank: s for s in dump.gather(d, local)} if local else {}
+    if remote:
+        got = framed.wait(remote, since, max(0.1, dump.TIMEOUT - (time.monotonic() - since)))
+        for r in remote:
+            stacks[r] = got.get(r) or dump.RankStack(
+                r, missing=f"did not answer within {dump.TIMEOUT:g} s (it runs on another host, "
+                          "or has not called hvd.init() yet)")
+    text = (group.render([stacks[r] for r in sorted(stacks)], title="hvdrun: the stacks")
+            if stacks else "hvdrun: no rank has registered for stacks yet (they do at hvd.init())")
     out = out or sys.stderr
     out.write(text + "\n")
     out.flush()
@@ -230,35 +253,56 @@ def clear_stale_sessions(env: Optional[Mapping[str, str]] = None) -> List[str]:
 
 
 def execute(argv: Sequence[str], env: Mapping[str, str], *, timeout: Optional[float] = None,
-            on_line: Optional[Callable[[str, str], None]] = None) -> int:
+            on_line: Optional[Callable[[str, str], None]] = None,
+            remote_size: Optional[int] = None) -> int:
     """Run ``argv`` in its own session; return its exit code (128+N if killed by signal N).
 
     SIGINT/SIGTERM received meanwhile (main thread only) are passed on to ``mpiexec``; SIGUSR1
     prints every rank's stack (:func:`print_stacks`). With
     ``on_line`` the job's stdout/stderr are read line by line and handed to
-    ``on_line(stream_name, line)``; otherwise they are inherited. ``timeout`` (seconds) stops
-    the job and raises TimeoutError.
+    ``on_line(stream_name, line)``; otherwise they are inherited. ``remote_size``: the job's
+    size when some ranks run on other hosts; those answer SIGUSR1's question on their
+    stderr (:class:`hvd_magic.stacks.dump.Framed`), so the job's stderr is read line by line
+    and their stacks taken out of it. ``timeout`` (seconds) stops the job and raises
+    TimeoutError.
     """
-    pipe = subprocess.PIPE if on_line else None
+    from ..stacks.dump import Framed
     made = config.get("HVD_MAGIC_STACKS_DIR", env)
+    framed = Framed() if remote_size and made else None
     if made in _MADE_DIRS:
         os.makedirs(made, mode=0o700)
     clear_stale_sessions(env)
-    proc = subprocess.Popen(list(argv), env=dict(env), stdout=pipe, stderr=pipe,
+    pipe = subprocess.PIPE if on_line else None
+    proc = subprocess.Popen(list(argv), env=dict(env), stdout=pipe,
+                            stderr=subprocess.PIPE if on_line or framed else None,
                             stdin=subprocess.DEVNULL, start_new_session=True)
     readers = []
-    if on_line:
-        for name, stream in (("stdout", proc.stdout), ("stderr", proc.stderr)):
-            t = threading.Thread(target=_pump, args=(stream, name, on_line), daemon=True)
+    if on_line or framed:
+        def err_line(name: str, line: str) -> None:
+            if framed is not None and framed.feed(line):
+                return
+            if on_line is not None:
+                on_line(name, line)
+            else:
+                sys.stderr.write(line)
+                sys.stderr.flush()
+        streams = [("stderr", proc.stderr, err_line)]
+        if on_line:
+            streams.append(("stdout", proc.stdout, on_line))
+        for name, stream, take in streams:
+            t = threading.Thread(target=_pump, args=(stream, name, take), daemon=True)
             t.start()
             readers.append(t)
+
     def forward(signum: int, _frame: object) -> None:
         if proc.poll() is None:
             proc.send_signal(signum)
 
     def stacks(_signum: int, _frame: object) -> None:
         # gathering waits up to 2 s for the ranks: not in the signal handler
-        threading.Thread(target=print_stacks, args=(made,), daemon=True).start()
+        threading.Thread(target=print_stacks, args=(made,),
+                         kwargs={"job": proc, "size": remote_size, "framed": framed},
+                         daemon=True).start()
 
     handlers: Dict[int, Callable[[int, object], None]] = {signal.SIGINT: forward,
                                                           signal.SIGTERM: forward}
@@ -282,7 +326,8 @@ def execute(argv: Sequence[str], env: Mapping[str, str], *, timeout: Optional[fl
     return 128 - rc if rc < 0 else rc
 
 
-def execute_elastic(argv: Sequence[str], env: Mapping[str, str]) -> int:
+def execute_elastic(argv: Sequence[str], env: Mapping[str, str],
+                    remote_size: Optional[int] = None) -> int:
     """:func:`execute` for an elastic job: its output passes through, except the ranks' exit
     lines, which decide the exit code when the launcher itself crashed
     (:func:`.plan.elastic_exit`)."""
@@ -295,7 +340,8 @@ def execute_elastic(argv: Sequence[str], env: Mapping[str, str]) -> int:
         out = sys.stdout if name == "stdout" else sys.stderr
         out.write(line)
         out.flush()
-    rc, note = elastic_exit(execute(argv, env, on_line=on_line), reports)
+    rc, note = elastic_exit(execute(argv, env, on_line=on_line, remote_size=remote_size),
+                            reports)
     if note:
         sys.stderr.write(note + "\n")
     return rc

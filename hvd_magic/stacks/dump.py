@@ -43,6 +43,14 @@ SIGNAL = signal.SIGUSR2
 #: The signal a rank answers from C, without the GIL (None where there are no real-time
 #: signals).
 SIGNAL_HELD = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else None
+#: How a rank on another host than hvdrun's marks each line of its stacks on stderr; the
+#: last line (after the mark) is END.
+FRAME = "[hvd_magic stacks of rank {rank}] "
+END = "end of stacks: pid {pid} host {host} main {main}"
+_FRAMED = re.compile(r"\[hvd_magic stacks of rank (\d+)\] (.*)$")
+_END = re.compile(r"end of stacks: pid (\d+) host (\S+) main (\d+)$")
+
+
 #: Seconds :func:`gather` waits for a rank's answer to SIGNAL before it sends SIGNAL_HELD.
 ANSWER_S = 0.5
 #: Seconds a gatherer waits for the ranks' stacks.
@@ -90,8 +98,10 @@ def install(rank: int) -> Optional[str]:
                 _state["cleanup"] = True
                 atexit.register(_remove_own, d)
         elif not os.path.isdir(d):
-            # hvdrun's directory is on its own host: a rank elsewhere dumps to stderr
-            _answer_to(_stderr())
+            # hvdrun's directory is on its own host: a rank elsewhere answers on stderr,
+            # each line marked, and hvdrun takes its stacks out of the job's output (Framed)
+            _state["rank"] = rank
+            _answer_to(_stderr(), framed=True)
             return None
         path = os.path.join(d, f"{rank}.stack")
         if _state.get("path") != path:
@@ -109,9 +119,11 @@ def install(rank: int) -> Optional[str]:
     return path
 
 
-def _answer_to(fh) -> None:
-    """Answer both signals by writing to ``fh``."""
+def _answer_to(fh, framed: bool = False) -> None:
+    """Answer both signals by writing to ``fh`` (``framed``: each line marked with this
+    rank, the Python handler's answer only)."""
     _state["file"] = fh
+    _state["framed"] = framed
     try:
         signal.signal(SIGNAL, _answer)
     except ValueError:     # not the main thread: only C's handler can answer
@@ -123,11 +135,65 @@ def _answer_to(fh) -> None:
 def _answer(signum: int, frame) -> None:
     """SIGNAL's handler (main thread, GIL held): every thread's stack."""
     fh = _state.get("file")
-    if fh is not None:
-        try:
+    if fh is None:
+        return
+    try:
+        if not _state.get("framed"):
             faulthandler.dump_traceback(file=fh, all_threads=True)
-        except (OSError, ValueError):
-            pass       # (the file went away: nothing to answer with)
+            return
+        with tempfile.TemporaryFile() as tmp:
+            faulthandler.dump_traceback(file=tmp, all_threads=True)
+            tmp.seek(0)
+            body = tmp.read().decode(errors="replace")
+        mark = FRAME.format(rank=_state["rank"])
+        end = END.format(pid=os.getpid(), host=socket.gethostname(),
+                         main=threading.main_thread().ident)
+        text = "".join(f"{mark}{line}\n" for line in body.splitlines() + [end])
+        fh.flush()
+        os.write(fh.fileno(), text.encode())
+    except (OSError, ValueError):
+        pass       # (the file went away: nothing to answer with)
+
+
+class Framed:
+    """The gatherer's side of FRAME: takes the marked lines out of a job's stderr
+    (:meth:`feed`) and keeps each rank's last complete answer (:meth:`wait`). Ranks' lines
+    may interleave; each rank's own lines come in order."""
+
+    def __init__(self) -> None:
+        self._lines: Dict[int, List[str]] = {}
+        self._done: Dict[int, tuple] = {}         # rank -> (when, RankStack)
+        self._changed = threading.Condition()
+
+    def feed(self, line: str) -> bool:
+        """Take ``line`` if it is part of a rank's answer (True: not to be shown)."""
+        m = _FRAMED.search(line.rstrip("\n"))
+        if m is None:
+            return False
+        rank, rest = int(m.group(1)), m.group(2)
+        end = _END.match(rest)
+        if end is None:
+            self._lines.setdefault(rank, []).append(rest)
+            return True
+        stack = RankStack(rank, threads=parse("\n".join(self._lines.pop(rank, []))),
+                          main_ident=int(end.group(3)))
+        with self._changed:
+            self._done[rank] = (time.monotonic(), stack)
+            self._changed.notify_all()
+        return True
+
+    def wait(self, ranks: Sequence[int], since: float, timeout: float) -> Dict[int, RankStack]:
+        """The answers of ``ranks`` that came after ``since`` (time.monotonic()), once all
+        have, or after ``timeout`` s, what came."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                got = {r: self._done[r][1] for r in ranks
+                       if r in self._done and self._done[r][0] >= since}
+                left = deadline - time.monotonic()
+                if len(got) == len(ranks) or left <= 0:
+                    return got
+                self._changed.wait(left)
 
 
 def _remove_own(d: str) -> None:
