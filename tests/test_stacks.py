@@ -71,6 +71,27 @@ def test_a_dump_with_two_dumps_keeps_the_last():
     assert [f.line for f in group.parse(text)[0].frames] == [2]
 
 
+def test_marked_lines_of_ranks_on_other_hosts_interleaved_give_each_rank_s_stack():
+    """What hvdrun reads from the job's stderr under -H: two ranks' marked lines mixed with
+    each other and with the program's own output."""
+    from hvd_magic.stacks.dump import END, FRAME, Framed
+    framed = Framed()
+    since = time.monotonic()
+    dumps = {r: _dump((10 + r, [("/home/u/train.py", 40 + r, "<module>")])).splitlines()
+             + [END.format(pid=100 + r, host="b", main=10 + r)] for r in (1, 2)}
+    shown = []
+    for a, b in zip(dumps[1], dumps[2]):
+        for r, line in ((1, a), (2, b)):
+            for text in (FRAME.format(rank=r) + line + "\n", "loss 0.5\n"):
+                if not framed.feed(text):
+                    shown.append(text)
+    got = framed.wait([1, 2], since, 1.0)
+    assert shown == ["loss 0.5\n"] * (2 * len(dumps[1]))
+    assert [got[r].threads[0].frames[0].line for r in (1, 2)] == [41, 42]
+    assert got[2].main_ident == 12
+    assert framed.wait([3], since, 0.05) == {}
+
+
 # ---------------------------------------------------------------- hvdrun and mpiexec jobs
 
 def _assert_both_ranks(err: str, marks=("WAIT-WEIGHT", "WAIT-BIAS"),
