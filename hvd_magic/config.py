@@ -169,6 +169,10 @@ _VARS = [
         "directory where each rank writes its stacks when asked (SIGUSR2); hvdrun and a "
         "notebook's pool set it; unset: one directory per MPI job under the temporary "
         "directory", internal=True),
+    Var("HVD_MAGIC_LAUNCHER", "str", "",
+        "'PID HOST' of the hvdrun that started a job across hosts: at a stall, a rank on "
+        "that host asks it (SIGUSR1) for the stacks of the ranks on the other hosts",
+        internal=True),
     Var("HVD_MAGIC_AUTOHVD", "str", "",
         "%autohvd options that every cell runs with (the hvd_magic Jupyter kernel sets it)"),
     # -- the live panel

@@ -255,3 +255,20 @@ def test_sigusr1_to_hvdrun_shows_the_stack_of_a_rank_on_another_host(two_hosts):
     _assert_both_ranks(err, submits=None)
     assert "[hvd_magic stacks of rank" not in err, err
     assert not two_hosts.leftovers(wait=3.0)
+
+
+def test_a_stall_across_hosts_shows_the_stack_of_the_rank_on_the_other_host(two_hosts):
+    """Rank 0 (on hvdrun's host) warns of the stall and shows its own stack; it asks hvdrun
+    for the others', and hvdrun shows rank 1's, from host B, with the line it waits on."""
+    from test_stacks import SCRIPT, STALL, _assert_both_ranks
+    proc = two_hosts.run([PY, "-m", "hvd_magic.runner.cli", "-np", "2", "-H",
+                          two_hosts.hosts_arg, "--network-interface", "10.231.0.0/24",
+                          "python", str(SCRIPT), "mismatch"], env=two_hosts.env(**STALL),
+                         timeout=60)
+    err = proc.stderr
+    assert proc.stdout.count("stall_stacks OK") == 2, proc.stdout + err
+    assert "WARNING: stall" in err and "hvdrun gathers the stacks of the ranks on other hosts" \
+        in err, err
+    hvdrun = err[err.index("hvdrun: the stacks of 2 rank(s)"):]
+    _assert_both_ranks(hvdrun, submits=None)
+    assert not two_hosts.leftovers(wait=3.0)

@@ -84,6 +84,9 @@ class StallCheck:
         try:
             stacks = dump.gather(dump.job_dir(), self.ranks)
             text = group.render(stacks, title=f"stall{self.where}: the stacks")
+            if any(s.missing for s in stacks) and dump.ask_launcher():
+                text += ("\n  (hvdrun gathers the stacks of the ranks on other hosts: "
+                         "'hvdrun: the stacks' below)")
         except Exception as exc:  # noqa: BLE001 - the warning itself is out already
             text = f"stall{self.where}: the ranks' stacks could not be gathered: {exc!r}"
         sys.stderr.write(f"[hvd_magic rank {self.rank}] {text}\n")

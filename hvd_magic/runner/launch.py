@@ -272,6 +272,9 @@ def execute(argv: Sequence[str], env: Mapping[str, str], *, timeout: Optional[fl
     if made in _MADE_DIRS:
         os.makedirs(made, mode=0o700)
     clear_stale_sessions(env)
+    if framed is not None and threading.current_thread() is threading.main_thread():
+        # (SIGUSR1 is handled below: a rank here may ask at a stall)
+        env = {**env, "HVD_MAGIC_LAUNCHER": f"{os.getpid()} {socket.gethostname()}"}
     pipe = subprocess.PIPE if on_line else None
     proc = subprocess.Popen(list(argv), env=dict(env), stdout=pipe,
                             stderr=subprocess.PIPE if on_line or framed else None,

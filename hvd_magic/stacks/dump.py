@@ -196,6 +196,20 @@ class Framed:
                 self._changed.wait(left)
 
 
+def ask_launcher() -> bool:
+    """Ask the hvdrun that started this job across hosts (``HVD_MAGIC_LAUNCHER``) to print
+    every rank's stacks, which it gathers from every host; False where it does not run on
+    this host (or did not start this job)."""
+    given = config.get("HVD_MAGIC_LAUNCHER").split()
+    if len(given) != 2 or given[1] != socket.gethostname() or not given[0].isdigit():
+        return False
+    try:
+        os.kill(int(given[0]), signal.SIGUSR1)
+    except OSError:
+        return False
+    return True
+
+
 def _remove_own(d: str) -> None:
     path = _state.get("path")
     if not path:
