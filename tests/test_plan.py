@@ -486,6 +486,9 @@ def test_unnamed_calls_are_kept_without_their_number():
     # other shapes of unnamed calls are kept beside each other, not instead
     c.add([Response("allreduce.noname.6", "allreduce", {0: ar("allreduce.noname.6", shape=(7,))})])
     assert c.slot(ar("allreduce.noname.10")) == 0 and c.slot(ar("allreduce.noname.10", shape=(7,))) == 2
+    # the key the API makes once per decided call (the short path's look-up) is the same
+    a = ar("allreduce.noname.11")
+    assert c.key(a) == ("allreduce.noname\0",) + a[1:] and c.by_ann[c.key(a)] == 0
 
 
 def test_response_cache_keeps_only_what_every_rank_must_agree_on():

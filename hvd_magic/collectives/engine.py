@@ -170,14 +170,15 @@ class Engine:
         self._ring()
         return handle
 
-    def run_now(self, ann: Ann, tensor: Any, out: Any = None) -> Any:
+    def run_now(self, ann: Ann, tensor: Any, out: Any = None, key: Optional[tuple] = None) -> Any:
         """A blocking allreduce of a CPU tensor in a training loop's steady state, run on
         the caller's thread with none of the general path's bookkeeping: when this rank
         has nothing else under way and the response cache holds the request (every rank
         carried it out before), the caller posts the cycle's bit vector itself, and when
         every rank has the same bit and nothing else to say, runs the data's allreduce at
         once. The vector is the one the general path would send for this request alone,
-        so ranks on either path meet alike.
+        so ranks on either path meet alike. ``key``: the response cache's key of the request,
+        when the caller has it (None: made from ``ann``).
 
         Returns the result; or a :class:`Handle` to wait on, when the cycle did not bring
         the result at once (the request then waits as any other); or ``NOT_TAKEN`` when
@@ -191,7 +192,7 @@ class Engine:
         if not lock.acquire(False):
             return NOT_TAKEN
         neg, cache = self.neg, self.cache
-        slot = cache.slot(ann)
+        slot = cache.slot(ann) if key is None else cache.by_ann.get(key)
         if (slot is None or self.inflight or self._px is not None or neg.joined or neg.shut
                 or ann.name in neg.pending):        # (another user thread, or news: in turn)
             lock.release()
