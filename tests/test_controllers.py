@@ -218,7 +218,9 @@ def test_hvdrun_gloo_on_one_host_listens_on_loopback_only(tmp_path):
     hvdrun = str(Path(sys.executable).with_name("hvdrun"))
     proc = run_job([hvdrun, "--gloo", "-np", "2", sys.executable, str(script)], mpi_env(), 180, "")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = re.findall(r"rank \d listens on \[(.*)\]", proc.stdout)
+    # (not a line each: print's text and its newline are two writes here, and two ranks
+    # share the pipe)
+    lines = re.findall(r"rank \d listens on \[([^\]]*)\]", proc.stdout)
     assert len(lines) == 2, proc.stdout + proc.stderr
     for line in lines:
         assert line and set(line.replace("'", "").split(", ")) == {"127.0.0.1"}, proc.stdout
