@@ -221,36 +221,13 @@ def test_sigusr1_to_hvdrun_shows_the_stack_of_a_rank_on_another_host(two_hosts):
     """Rank 1 runs on host B, where hvdrun's stacks directory does not exist (B has its own
     /tmp): it answers the question on its stderr, each line marked, and hvdrun shows its
     stack beside rank 0's, the marked lines taken out of the job's output."""
-    import signal
-    import subprocess
-    import threading
-
-    from test_stacks import SCRIPT, _assert_both_ranks
+    from test_stacks import SCRIPT, _assert_both_ranks, sigusr1_stacks
     env = two_hosts.env(HOROVOD_STALL_CHECK_DISABLE="1", HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="8")
-    proc = subprocess.Popen(two_hosts.wrap([PY, "-m", "hvd_magic.runner.cli", "-np", "2", "-H",
-                                            two_hosts.hosts_arg, "--network-interface",
-                                            "10.231.0.0/24", "python", str(SCRIPT), "usr1"]),
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
-    lines: list = []
-    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")),
-                              daemon=True)
-    reader.start()
-    try:
-        deadline = time.monotonic() + 60
-        while sum(line.startswith("READY") for line in lines) < 2:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise AssertionError(f"no READY from both ranks: {lines}\n{proc.communicate()}")
-            time.sleep(0.05)
-        time.sleep(1.0)                  # both ranks are inside their allreduce by now
-        proc.send_signal(signal.SIGUSR1)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    reader.join(5)
-    assert proc.returncode == 0, err
+    rc, err = sigusr1_stacks(two_hosts.wrap([PY, "-m", "hvd_magic.runner.cli", "-np", "2", "-H",
+                                             two_hosts.hosts_arg, "--network-interface",
+                                             "10.231.0.0/24", "python", str(SCRIPT), "usr1"]),
+                             env, ready_s=60)
+    assert rc == 0, err
     assert "hvdrun: the stacks of 2 rank(s)" in err, err
     _assert_both_ranks(err, submits=None)
     assert "[hvd_magic stacks of rank" not in err, err

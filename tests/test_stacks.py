@@ -135,17 +135,17 @@ def test_a_rank_spinning_in_c_holding_the_gil_still_gives_its_stack():
     assert "innermost __init__.py" in err.split("--- rank 1 ---")[1], err
 
 
-def test_sigusr1_to_hvdrun_prints_every_rank_s_stack():
-    env = mpi_env({"HOROVOD_STALL_CHECK_DISABLE": "1", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "8"})
-    proc = subprocess.Popen([HVDRUN, "-np", "2", sys.executable, str(SCRIPT), "usr1"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+def sigusr1_stacks(argv: list, env: dict, ready_s: float = 90) -> tuple:
+    """Run ``argv`` (hvdrun with stall_stacks.py ``usr1``), send SIGUSR1 to hvdrun once
+    both ranks wait in their allreduce; ``(exit code, stderr)``."""
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, stdin=subprocess.DEVNULL, start_new_session=True)
     lines: list = []
     reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")),
                               daemon=True)
     reader.start()
     try:
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + ready_s
         while sum(line.startswith("READY") for line in lines) < 2:
             if time.monotonic() > deadline or proc.poll() is not None:
                 raise AssertionError(f"no READY from both ranks: {lines}\n{proc.communicate()}")
@@ -158,7 +158,13 @@ def test_sigusr1_to_hvdrun_prints_every_rank_s_stack():
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     reader.join(5)
-    assert proc.returncode == 0, err
+    return proc.returncode, err
+
+
+def test_sigusr1_to_hvdrun_prints_every_rank_s_stack():
+    env = mpi_env({"HOROVOD_STALL_CHECK_DISABLE": "1", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "8"})
+    rc, err = sigusr1_stacks([HVDRUN, "-np", "2", sys.executable, str(SCRIPT), "usr1"], env)
+    assert rc == 0, err
     assert "hvdrun: the stacks of 2 rank(s)" in err, err
     # (where each rank submitted what it waits for comes once the stall check's time is half
     # gone; this job has the stall check off)
