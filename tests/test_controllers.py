@@ -218,12 +218,34 @@ def test_hvdrun_gloo_on_one_host_listens_on_loopback_only(tmp_path):
     hvdrun = str(Path(sys.executable).with_name("hvdrun"))
     proc = run_job([hvdrun, "--gloo", "-np", "2", sys.executable, str(script)], mpi_env(), 180, "")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    # (not a line each: print's text and its newline are two writes here, and two ranks
-    # share the pipe)
-    lines = re.findall(r"rank \d listens on \[([^\]]*)\]", proc.stdout)
+    lines = re.findall(r"^rank \d listens on \[([^\]]*)\]$", proc.stdout, re.M)
     assert len(lines) == 2, proc.stdout + proc.stderr
     for line in lines:
         assert line and set(line.replace("'", "").split(", ")) == {"127.0.0.1"}, proc.stdout
+
+
+def test_hvdrun_gloo_keeps_each_rank_line_whole():
+    """Two ranks printing at once under PYTHONUNBUFFERED (print writes its text and its
+    newline separately): every line hvdrun --gloo shows is one rank's whole line, on stdout
+    and on stderr, and none is lost."""
+    import sys
+    from pathlib import Path
+
+    from mpi_harness import mpi_env, run_job
+    hvdrun = str(Path(sys.executable).with_name("hvdrun"))
+    script = ("import os, sys\n"
+              "r = os.environ['RANK']\n"
+              "for i in range(3000):\n"
+              "    print(f'rank {r} line {i}', 'x' * 40)\n"
+              "    print(f'rank {r} err {i}', file=sys.stderr)\n")
+    proc = run_job([hvdrun, "--gloo", "-np", "2", sys.executable, "-c", script],
+                   {**mpi_env(), "PYTHONUNBUFFERED": "1"}, 120, "")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out, err = proc.stdout.splitlines(), proc.stderr.splitlines()
+    bad = [ln for ln in out if not re.fullmatch(r"rank [01] line \d+ x{40}", ln)]
+    bad += [ln for ln in err if not re.fullmatch(r"rank [01] err \d+", ln)]
+    assert not bad, bad[:5]
+    assert len(out) == len(err) == 6000
 
 
 def test_hvdrun_gloo_refuses_what_needs_mpi():

@@ -7,9 +7,9 @@ controller (:mod:`hvd_magic.collectives.controller`). On one host hvdrun keeps t
 rendezvous store at a port the system picks and the ranks meet on 127.0.0.1. With ``-H`` or
 ``--hostfile`` naming other hosts, each rank starts under :mod:`.gloo_nanny` on its host
 (through the ssh agent, as :mod:`.gloo_plan` plans it) and the ranks meet at the first host.
-The ranks' output passes through, as under ``mpiexec``; when a rank fails (nonzero exit, a
-signal, or a lost connection) the others are stopped, on every host, and hvdrun names it
-(and its host) and exits with its status.
+The ranks' output passes through a whole line at a time, as under ``mpiexec``; when a rank
+fails (nonzero exit, a signal, or a lost connection) the others are stopped, on every host,
+and hvdrun names it (and its host) and exits with its status.
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Dict, FrozenSet, Iterator, List, Mapping, Optional, Sequence, TextIO
+from typing import (BinaryIO, Callable, Dict, FrozenSet, Iterator, List, Mapping, Optional,
+                    Sequence, TextIO)
 
 from .. import config
 from .gloo_nanny import EXIT_MARK
@@ -108,8 +109,10 @@ def rendezvous_store(np: int, loopback: bool = True):
 
 def supervise(command: Sequence[str], envs: List[Dict[str, str]],
               timeout: Optional[float] = None) -> int:
-    """Run one process of ``command`` per environment (each in a session of its own, its
-    output inherited) until all end; the first to fail stops the others. SIGINT/SIGTERM
+    """Run one process of ``command`` per environment (each in a session of its own) until
+    all end; the first to fail stops the others. Each rank's output reaches hvdrun's
+    stdout and stderr a whole line at a time, so two ranks' lines never mix mid-line (with
+    ``PYTHONUNBUFFERED`` a print writes its text and its newline separately). SIGINT/SIGTERM
     to hvdrun go to every rank."""
     procs: List[subprocess.Popen] = []
     stopping: List[int] = []
@@ -121,12 +124,17 @@ def supervise(command: Sequence[str], envs: List[Dict[str, str]],
                 p.send_signal(signum)
 
     ended: "queue.Queue[tuple]" = queue.Queue()     # (rank, exit code) in the order they end
+    pumps: List[threading.Thread] = []
     with handling({signal.SIGINT: forward, signal.SIGTERM: forward}):
         try:
             for r, env in enumerate(envs):
                 p = subprocess.Popen(list(command), env=env, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      start_new_session=True)
                 procs.append(p)
+                for src, dst in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
+                    pumps.append(threading.Thread(target=_pump, args=(src, dst), daemon=True))
+                    pumps[-1].start()
                 threading.Thread(target=lambda r=r, p=p: ended.put((r, p.wait())),
                                  daemon=True).start()
             worst = 0
@@ -143,6 +151,12 @@ def supervise(command: Sequence[str], envs: List[Dict[str, str]],
         except BaseException:
             _stop_all(procs)
             raise
+        finally:
+            # the ranks' last lines (a process a rank left behind may hold its pipe open:
+            # do not wait for it)
+            end = time.monotonic() + 2.0
+            for t in pumps:
+                t.join(max(0.0, end - time.monotonic()))
 
 
 def _endings(ended: "queue.Queue", count: int, timeout: Optional[float],
@@ -284,9 +298,10 @@ def _pump_stdout(rank: _Rank, ended: "queue.Queue[int]") -> None:
         ended.put(rank.start.place.rank)
 
 
-def _pump_stderr(rank: _Rank) -> None:
-    for line in iter(rank.proc.stderr.readline, b""):
-        _write(sys.stderr, line)
+def _pump(src: BinaryIO, dst: TextIO) -> None:
+    """A rank's output to ours, a whole line at a time."""
+    for line in iter(src.readline, b""):
+        _write(dst, line)
 
 
 def supervise_hosts(starts: Sequence[RankStart], timeout: Optional[float] = None) -> int:
@@ -311,7 +326,7 @@ def supervise_hosts(starts: Sequence[RankStart], timeout: Optional[float] = None
                 rank = _Rank(s, proc)
                 ranks.append(rank)
                 threading.Thread(target=_pump_stdout, args=(rank, ended), daemon=True).start()
-                threading.Thread(target=_pump_stderr, args=(rank,), daemon=True).start()
+                threading.Thread(target=_pump, args=(proc.stderr, sys.stderr), daemon=True).start()
             worst = 0
             for r in _endings(ended, len(ranks), timeout, lambda: _stop_ranks(ranks)):
                 rank = ranks[r]
