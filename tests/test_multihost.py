@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -176,6 +177,23 @@ def test_pool_across_two_hosts_through_the_magics(two_hosts):
     assert res["empty_after_s"] < 2.5, res["lingered"]
     assert not two_hosts.leftovers(wait=2.0)
     assert took < 45
+
+
+def test_hvd_stacks_on_a_pool_across_two_hosts_shows_the_rank_on_the_other_host(two_hosts):
+    """%hvd stacks while a cell runs on host A and host B: both ranks' stacks, each with the
+    line it runs, within the 2 s gathering time; the cell goes on and ends."""
+    res = _pool_scenario(two_hosts, "stacks")
+    text = res["text"]
+    assert "hvd: the stacks of 2 rank(s)" in text and "no stack" not in text, text
+    # the lines of the cell (multihost_pool.STACKS_CELL) each rank runs
+    assert re.search(r"rank 0: runs \S+:8 \(in <module>\), not in a collective", text), text
+    assert re.search(r"rank 1: runs \S+:5 \(in <module>\), not in a collective", text), text
+    assert "--- rank 1 ---" in text, text
+    assert res["running"] and res["cell_ok"], res
+    # the marked lines rank 1 answered with stay out of the cell's output
+    assert "finished 1" in res["output"] and "[hvd_magic stacks" not in res["output"], res
+    assert res["took_s"] < 5, res["took_s"]
+    assert res["left"] == [], res["lingered"]
 
 
 def test_pool_oversubscribed_across_two_hosts(two_hosts):

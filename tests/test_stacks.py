@@ -92,6 +92,35 @@ def test_marked_lines_of_ranks_on_other_hosts_interleaved_give_each_rank_s_stack
     assert framed.wait([3], since, 0.05) == {}
 
 
+def test_a_pool_log_gives_the_marked_answers_written_after_the_question(tmp_path):
+    """What a notebook's pool reads from its mpiexec log: answers after ``offset`` only, a
+    rank's answer that is still being written counts once it ends, a silent rank is left out
+    after the timeout."""
+    import threading
+    from hvd_magic.stacks.dump import END, FRAME, answers_in
+
+    def answer(r, line):
+        body = _dump((10 + r, [("/home/u/train.py", line, "<module>")])).splitlines()
+        return "".join(FRAME.format(rank=r) + x + "\n"
+                       for x in body + [END.format(pid=100 + r, host="b", main=10 + r)])
+
+    log = tmp_path / "mpiexec.log"
+    log.write_text(answer(1, 7) + "an older line\n")          # an answer to an earlier question
+    offset = log.stat().st_size
+    late = answer(1, 41)
+    with open(log, "a") as fh:
+        fh.write("loss 0.5\n" + late[:len(late) // 2])
+
+    def finish():
+        time.sleep(0.2)
+        with open(log, "a") as fh:
+            fh.write(late[len(late) // 2:])
+    threading.Thread(target=finish).start()
+    got = answers_in(str(log), offset, [1], 2.0)
+    assert got[1].threads[0].frames[0].line == 41
+    assert answers_in(str(log), offset, [1, 2], 0.1).keys() == {1}
+
+
 # ---------------------------------------------------------------- hvdrun and mpiexec jobs
 
 def _assert_both_ranks(err: str, marks=("WAIT-WEIGHT", "WAIT-BIAS"),

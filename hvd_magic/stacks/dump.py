@@ -16,7 +16,10 @@ records its pid, host and main thread in ``<dir>/<rank>.pid``:
 The directory is ``HVD_MAGIC_STACKS_DIR`` (set by hvdrun and by a notebook's pool), else
 one per MPI job under the temporary directory. :func:`gather` signals every rank that runs
 on this host and reads what each wrote, for at most ``timeout`` seconds; a rank that does
-not answer, or runs on another host, is named as such.
+not answer, or runs on another host, is named as such. A rank whose host lacks that
+directory answers on its stderr, each line marked (:data:`FRAME`): hvdrun takes those lines
+out of the job's output (:class:`Framed`), a notebook's pool out of its ``mpiexec`` log
+(:func:`answers_in`).
 """
 from __future__ import annotations
 
@@ -194,6 +197,32 @@ class Framed:
                 if len(got) == len(ranks) or left <= 0:
                     return got
                 self._changed.wait(left)
+
+
+def answers_in(path: str, offset: int, ranks: Sequence[int],
+               timeout: float = TIMEOUT) -> Dict[int, RankStack]:
+    """The marked answers (:data:`FRAME`) of ``ranks`` that a job's output file ``path``
+    (a pool's ``mpiexec`` log) gains after byte ``offset``: once all have come, or after
+    ``timeout`` s, those that came."""
+    framed = Framed()
+    since = time.monotonic()
+    deadline = since + timeout
+    rest = b""
+    while True:
+        try:
+            with open(path, "rb") as fh:
+                fh.seek(offset)
+                chunk = fh.read()
+        except OSError:
+            chunk = b""
+        offset += len(chunk)
+        *lines, rest = (rest + chunk).split(b"\n")
+        for line in lines:
+            framed.feed(line.decode(errors="replace"))
+        got = framed.wait(ranks, since, 0.0)
+        if len(got) == len(ranks) or time.monotonic() > deadline:
+            return got
+        time.sleep(0.02)
 
 
 def ask_launcher() -> bool:

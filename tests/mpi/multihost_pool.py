@@ -5,6 +5,9 @@
 controller listens; a cell past its ``--timeout`` (interrupts go through the nannies on
 both hosts); ``%hvd stop``, then how long until both namespaces are empty.
 
+``stacks``: ``%hvd stacks`` while a cell runs on both hosts (rank 0 sleeps, rank 1 on
+host B too, on another line): what it printed and how long it took, and the cell's end.
+
 ``oversubscribe``: the Pool API with ``HVD_MAGIC_OVERSUBSCRIBE=1`` and more ranks than
 slots: where each rank landed; stop, and how long until both namespaces are empty.
 """
@@ -131,6 +134,47 @@ def oversubscribe(res):
         wait_empty(res, t2)
 
 
+STACKS_CELL = """import time, hvd_magic.collectives as hvd
+t0 = time.monotonic()
+if hvd.rank() == 1:
+    while time.monotonic() - t0 < 5:
+        time.sleep(0.02)                     # ON-B
+else:
+    while time.monotonic() - t0 < 5:
+        time.sleep(0.01)                     # SLEEP-ON-A
+print('finished', hvd.rank())
+"""
+
+
+def stacks(res):
+    import threading
+    from IPython.testing.globalipapp import start_ipython
+    shell = start_ipython()
+    shell.run_line_magic("load_ext", "hvd_magic")
+    try:
+        shell.run_cell_magic("hvd", f"-np 2 -H {hosts} --no-stream", "1")
+        done = {}
+        everything = io.StringIO()       # the cell's output and the stacks, as printed
+        with contextlib.redirect_stdout(everything):
+            cell = threading.Thread(target=lambda: done.setdefault(
+                "ok", shell.run_cell("%%hvd --no-stream\n" + STACKS_CELL).success))
+            cell.start()
+            time.sleep(2.0)
+            before = len(everything.getvalue())
+            t0 = time.monotonic()
+            shell.run_line_magic("hvd", "stacks")
+            res["took_s"] = time.monotonic() - t0
+            res["text"] = everything.getvalue()[before:]
+            res["running"] = cell.is_alive()
+            cell.join(60)
+        res["cell_ok"] = done.get("ok")
+        res["output"] = everything.getvalue()
+    finally:
+        t2 = time.monotonic()
+        shell.run_line_magic("hvd", "stop")
+        wait_empty(res, t2)
+
+
 res = {}
-{"magics": magics, "oversubscribe": oversubscribe}[scenario](res)
+{"magics": magics, "oversubscribe": oversubscribe, "stacks": stacks}[scenario](res)
 print("RESULT " + json.dumps(res), flush=True)

@@ -16,6 +16,7 @@ import os
 import queue
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 import time
@@ -534,9 +535,34 @@ class Pool:
     def stacks(self, timeout: float = 2.0) -> List[Any]:
         """Every rank's stack (:class:`hvd_magic.stacks.group.RankStack` each), asked by a
         signal the ranks answer even while a cell runs or holds the GIL; the cell goes on.
-        A rank that has not answered after ``timeout`` s is named as such."""
+        Ranks on this host are signalled here and write into the pool's stacks directory;
+        those on other hosts are signalled by their nannies and answer on their stderr,
+        which ``mpiexec`` brings into its log here. A rank that has not answered after
+        ``timeout`` s is named as such."""
         from ...stacks import dump
-        return dump.gather(stacks_dir(self.config.workdir), list(range(self.size)), timeout)
+        here = socket.gethostname()
+        ranks = list(range(self.size))
+        elsewhere = [r for r in ranks if self.hosts.get(r, here) != here]
+        log = os.path.join(self.config.workdir, "mpiexec.log")
+        offset = os.path.getsize(log) if elsewhere and os.path.exists(log) else 0
+        if elsewhere and self.client is not None:
+            try:
+                self.client.send_signal(dump.SIGNAL.name, block=False,
+                                        targets=[self.engines[r] for r in elsewhere])
+            except Exception:  # noqa: BLE001 - then they are named as not answering
+                pass
+        t0 = time.monotonic()
+        d = stacks_dir(self.config.workdir)
+        out = {s.rank: s for s in dump.gather(d, [r for r in ranks if r not in elsewhere],
+                                              timeout)}
+        if elsewhere:
+            left = max(0.1, timeout - (time.monotonic() - t0))
+            got = dump.answers_in(log, offset, elsewhere, left)
+            for r in elsewhere:
+                out[r] = got.get(r) or dump.RankStack(
+                    r, missing=f"did not answer within {timeout:g} s (it runs on "
+                               f"{self.hosts[r]}; stopped, or gone)")
+        return [out[r] for r in ranks]
 
 
 class _Timeout(Exception):
