@@ -1,4 +1,6 @@
 """How the engine thread waits for a non-blocking MPI request without burning a core.
+(A request whose ``spin`` is False, the gloo controller's, is progressed by threads of its
+backend: it is only ever polled with sleeps.)
 
 - while a user thread waits on a result (the rank has nothing else to run) it polls
   without sleeping for at most ``SPIN_S``;
@@ -45,7 +47,8 @@ def wait_request(req: MPI.Request, waiting: Callable[[], bool],
     ``tick(now)`` runs about every ``TICK_S`` seconds of a long wait."""
     if req.Test():
         return
-    if waiting():
+    spin = getattr(req, "spin", True)      # False: the backend's own threads progress it
+    if spin and waiting():
         # Someone is blocked on a result, so the cores are not needed for training:
         # poll without sleeping for a moment (sleep-and-wake would cost tens of us).
         t0 = time.perf_counter()
@@ -54,7 +57,7 @@ def wait_request(req: MPI.Request, waiting: Callable[[], bool],
                 return
     delay = MIN_SLEEP_S
     last_tick = time.monotonic()
-    spun = waiting()
+    spun = not spin or waiting()
     while not req.Test():
         if not spun and waiting():
             # A user thread started waiting while this thread slept: from now on the
