@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -80,6 +81,20 @@ def test_a_ray_pool_spans_both_nodes_and_keeps_state_between_cells(on_cluster):
     assert res["engine_interface"] == f"tcp://{hosts.a.ip}"
     listen = [tuple(x) for x in res["controller_listen"]]
     assert listen and {ip for ip, _ in listen} <= {hosts.a.ip, "127.0.0.1"}, listen
+
+
+@pytest.mark.slow
+def test_hvd_stacks_on_a_ray_pool_shows_the_rank_on_each_node(on_cluster):
+    """%hvd stacks while a cell runs on both nodes: each rank's stack, asked and read on its
+    own node by its actor, with the cell's line it runs; the cell goes on."""
+    res, _ = on_cluster
+    text = res["stacks"]
+    assert "hvd: the stacks of 2 rank(s)" in text and "no stack" not in text, text
+    for r in (0, 1):
+        assert re.search(rf"rank {r}: runs \S+:4 \(in <module>\), not in a collective",
+                         text), text
+    assert res["stacks_running"] and res["stacks_cell_ok"], res
+    assert res["stacks_s"] < 8, res["stacks_s"]
 
 
 @pytest.mark.slow

@@ -3,8 +3,8 @@ host for a cluster): ``python ray_pool.py SCENARIO [ADDRESS NS_A NS_B]``; prints
 ``RESULT {json}`` line.
 
 ``cluster``: ``%%hvd -np 2 --ray ADDRESS`` cells through a real IPython shell: an
-allreduce, state kept between cells, ``%hvd status``, where the controller listens,
-``%hvd stop``; then a new pool, a cell that runs while rank 1's engine is killed, and how
+allreduce, state kept between cells, ``%hvd status``, ``%hvd stacks`` while a cell runs,
+where the controller listens, ``%hvd stop``; then a new pool, a cell that runs while rank 1's engine is killed, and how
 long until the cell ended and what it said.
 
 ``local``: ``%%hvd -np 2 --ray`` (a Ray started for the pool): an allreduce, what the Ray
@@ -125,6 +125,20 @@ if scenario == "cluster":
     shell.run_line_magic("hvd", "pull kw")
     res["pulled"] = shell.user_ns["kw"]
     res["status"] = captured(lambda: shell.run_line_magic("hvd", "status"))
+    # %hvd stacks while a cell sleeps on both nodes (each rank on its own line)
+    done = {}
+    cell = threading.Thread(target=lambda: done.setdefault("ok", shell.run_cell(
+        "%%hvd --no-stream\nimport time\nt0 = time.monotonic()\n"
+        "while time.monotonic() - t0 < 5:\n"
+        "    time.sleep(0.01) if hvd.rank() == 0 else time.sleep(0.02)\n").success))
+    cell.start()
+    time.sleep(2.0)
+    t0 = time.monotonic()
+    res["stacks"] = captured(lambda: shell.run_line_magic("hvd", "stacks"))
+    res["stacks_s"] = time.monotonic() - t0
+    res["stacks_running"] = cell.is_alive()
+    cell.join(60)
+    res["stacks_cell_ok"] = done.get("ok")
     engines = list(pool.engine_pids.values())
     shell.run_line_magic("hvd", "stop")
     res["stopped_clean"] = gone_within(engines, 10.0)

@@ -26,9 +26,11 @@ listens on this machine's addresses. ``ray.shutdown()`` stops the processes the 
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -67,6 +69,13 @@ class EngineHost:
 
     def __init__(self) -> None:
         rank = os.environ["RANK"]
+        self.rank = int(rank)
+        # the pool's stacks directory, made on this node too when it is not the kernel's:
+        # the rank writes its stacks there and :func:`engine_stacks` reads them here
+        self.stacks = settings.get("HVD_MAGIC_STACKS_DIR")
+        self.made_stacks = bool(self.stacks) and not os.path.isdir(self.stacks)
+        if self.made_stacks:
+            os.makedirs(self.stacks, mode=0o700)
         # the engine's own output (its cells' output goes to the notebook): read back when
         # it ends, so that an engine that fails to start says why
         fd, self.log = tempfile.mkstemp(prefix=f"hvdm-engine{rank}-", suffix=".log")
@@ -90,8 +99,17 @@ def engine_exit(host: EngineHost) -> Optional[tuple]:
     return None if code is None else (code, tail(host.log, 1500).strip())
 
 
+def engine_stacks(host: EngineHost, timeout: float) -> Any:
+    """The rank's stack (:class:`hvd_magic.stacks.group.RankStack`), asked and read on its
+    node, as ``%hvd stacks`` does for the ranks on the kernel's machine."""
+    from ...stacks import dump
+    return dump.gather(host.stacks or None, [host.rank], timeout,
+                       pids={host.rank: host.proc.pid})[0]
+
+
 def stop_engine(host: EngineHost) -> None:
-    """Kill the engine and what it started (its nanny) and reap it."""
+    """Kill the engine and what it started (its nanny) and reap it; remove the stacks
+    directory it made on this node."""
     try:
         os.killpg(host.proc.pid, signal.SIGKILL)
     except OSError:
@@ -104,6 +122,8 @@ def stop_engine(host: EngineHost) -> None:
         os.unlink(host.log)
     except OSError:
         pass
+    if host.made_stacks:
+        shutil.rmtree(host.stacks, ignore_errors=True)
 
 
 # ------------------------------------------------------------------ in the kernel
@@ -224,6 +244,22 @@ class RayRanks:
                 said = f"; its output ended with:\n{output}" if output and code > 0 else ""
                 exits[r] = f"{how} {on} (engine pid {pid}){said}"
         return exits
+
+    def stacks(self, timeout: float) -> List[Any]:
+        """Every rank's stack, each asked and read on its node by its actor."""
+        import ray
+        from ...stacks import dump
+        workers = self.executor.workers if self.executor is not None else []
+        ask = functools.partial(engine_stacks, timeout=timeout)
+        refs = [w.execute.remote(ask) for w in workers]
+        out = []
+        for r, ref in enumerate(refs):
+            try:
+                out.append(ray.get(ref, timeout=timeout + 3.0))
+            except Exception as exc:  # noqa: BLE001 - a lost actor: named, not shown
+                out.append(dump.RankStack(r, missing=f"its Ray actor did not answer "
+                                                     f"({type(exc).__name__})"))
+        return out
 
     def stop(self) -> None:
         """Stop the engines, the actors (and their placement group); then the Ray instance
@@ -479,6 +515,14 @@ class RayPool(Pool):
 
     def _log(self) -> str:
         return tail(os.path.join(self.config.workdir, "controller.log"), 20000)
+
+    def stacks(self, timeout: float = 2.0) -> List[Any]:
+        """Every rank's stack: on a Ray cluster each actor asks its rank and reads the
+        answer on its node; a local Ray's ranks all run on this machine."""
+        if isinstance(self.ranks, RayRanks) and self.config.ray != LOCAL:
+            return self.ranks.stacks(timeout)
+        from ...stacks import dump
+        return dump.gather(stacks_dir(self.config.workdir), list(range(self.size)), timeout)
 
     def status(self, timeout: float = 2.0) -> Dict[str, Any]:
         st = super().status(timeout)
