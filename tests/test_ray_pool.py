@@ -84,6 +84,19 @@ def test_a_ray_pool_spans_both_nodes_and_keeps_state_between_cells(on_cluster):
 
 
 @pytest.mark.slow
+def test_the_live_panel_gets_both_nodes_telemetry(on_cluster):
+    """A training-like cell on the Ray pool: what the live panel draws (each rank's samples
+    and time in collectives) comes from both ranks; shown here as its text summary."""
+    res, _ = on_cluster
+    text = res["telemetry"]
+    m = re.search(r"hvd: throughput .* samples/s in total.*"
+                  r"\(rank 0 ([\d.]+)(?: [kM])?, rank 1 ([\d.]+)(?: [kM])?\)", text)
+    assert m and all(float(v) > 0 for v in m.groups()), text
+    assert re.search(r"hvd: collectives in flight \S+ of the time \(rank 0 \S+, rank 1 \S+\)",
+                     text), text
+
+
+@pytest.mark.slow
 def test_hvd_stacks_on_a_ray_pool_shows_the_rank_on_each_node(on_cluster):
     """%hvd stacks while a cell runs on both nodes: each rank's stack, asked and read on its
     own node by its actor, with the cell's line it runs; the cell goes on."""

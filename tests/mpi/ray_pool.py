@@ -3,7 +3,8 @@ host for a cluster): ``python ray_pool.py SCENARIO [ADDRESS NS_A NS_B]``; prints
 ``RESULT {json}`` line.
 
 ``cluster``: ``%%hvd -np 2 --ray ADDRESS`` cells through a real IPython shell: an
-allreduce, state kept between cells, ``%hvd status``, ``%hvd stacks`` while a cell runs,
+allreduce, state kept between cells, ``%hvd status``, a cell's telemetry (the panel's data,
+in its text form), ``%hvd stacks`` while a cell runs,
 where the controller listens, ``%hvd stop``; then a new pool, a cell that runs while rank 1's engine is killed, and how
 long until the cell ended and what it said.
 
@@ -125,6 +126,14 @@ if scenario == "cluster":
     shell.run_line_magic("hvd", "pull kw")
     res["pulled"] = shell.user_ns["kw"]
     res["status"] = captured(lambda: shell.run_line_magic("hvd", "status"))
+    # the live panel's data (telemetry of both ranks), as its text form sums it up
+    res["telemetry"] = captured(lambda: shell.run_cell_magic("hvd", "", (
+        "import time\nfrom hvd_magic.widgets import report\n"
+        "g = np.ones(1 << 16, dtype=np.float32)\n"
+        "for step in range(40):\n"
+        "    hvd.allreduce_(g, name='grad')\n"
+        "    time.sleep(0.02)\n"
+        "    report(samples=32)\n")))
     # %hvd stacks while a cell sleeps on both nodes (each rank on its own line)
     done = {}
     cell = threading.Thread(target=lambda: done.setdefault("ok", shell.run_cell(
