@@ -17,7 +17,7 @@ from . import ops, progress
 from .api import (allgather_async, allgather_object, check_tensor, reducescatter_async,
                   request_name, scale_factor, submit_allreduce)
 from .errors import HvdError, OpNotSupportedError
-from .handles import GroupHandle, Handle
+from .handles import NOT_TAKEN, GroupHandle, Handle
 from .negotiation import Ann
 from .ops import Average
 from .process_sets import ProcessSet, engine_of, global_process_set
@@ -106,8 +106,29 @@ def _grouped(tensors: Sequence[Any], name: Optional[str], op: Any, prescale: flo
                   scale_factor(prescale, "prescale_factor"), scale_factor(postscale, "postscale_factor"), device)
         # ``flat`` is our own buffer: reduce it in place (no result allocation, no copy)
         progress.allreduce_bytes += flat.nbytes     # the live panel's gradient bytes per step
+        if urgent and len(groups) == 1 and eng.short_path:
+            # a blocking call of one group: on the engine's short path when it can take it
+            # (Engine.run_now), as a blocking allreduce is
+            res = eng.run_now(ann, flat, flat)
+            if res is not NOT_TAKEN:
+                return GroupHandle([(_Then(res, split), idxs)], len(tensors))
         parts.append((eng.submit(ann, flat, out=flat, post=split, urgent=urgent), idxs))
     return GroupHandle(parts, len(tensors))
+
+
+class _Then:
+    """GroupHandle part of a group that ran on the short path: its result (or the handle
+    that brings it), split into the group's results."""
+
+    def __init__(self, res: Any, split: Any):
+        self.res, self.split = res, split
+
+    def done(self) -> bool:
+        return type(self.res) is not Handle or self.res.done()
+
+    def wait(self, timeout: Optional[float] = None) -> list:
+        res = self.res.wait(timeout) if type(self.res) is Handle else self.res
+        return self.split(res, None)
 
 
 class _Single:
