@@ -209,9 +209,12 @@ def test_doctor_on_two_hosts_with_a_1_gbit_link(shaped_hosts):
     (link,) = rep["links"]
     assert link["interface"].startswith("hvd0"), why
     assert link["bandwidth"] == pytest.approx(1e9 / 8, rel=0.2), why
-    # latency cannot be shaped here (no netem): it must agree with a plain TCP echo
+    # latency cannot be shaped here (no netem): it must not exceed a plain TCP echo's by much
+    # (a rank sharing a core with the other host's would show ms). The echo runs in Python,
+    # whose per-call work is in its figure and not in MPI's, so it bounds the doctor's from
+    # above only (in one CI run the doctor measured 7.4 us against the echo's 32.5 us)
     tcp = _tcp_latency(h)
-    assert tcp / 4 < link["latency"] < tcp * 4, (link["latency"], tcp)
+    assert 1e-6 < link["latency"] < tcp * 4, (link["latency"], tcp)
     assert 0 < rep["prediction"]["efficiency"] < 1
     assert took < 30, took
     print(f"doctor: {link['bandwidth'] * 8 / 1e9:.3f} Gbit/s, latency {link['latency'] * 1e6:.0f}"
