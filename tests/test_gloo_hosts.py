@@ -293,8 +293,9 @@ def _sshd_on(hosts, host):
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 20
-        while "Server listening" not in open(log.name).read():
-            assert proc.poll() is None and time.monotonic() < deadline, open(log.name).read()
+        while "Server listening" not in Path(log.name).read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                Path(log.name).read_text()
             time.sleep(0.05)
         yield (f"ssh -i {key} -o BatchMode=yes -o StrictHostKeyChecking=no "
                "-o UserKnownHostsFile=/dev/null -o LogLevel=ERROR"), proc.pid

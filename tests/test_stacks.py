@@ -115,8 +115,10 @@ def test_a_pool_log_gives_the_marked_answers_written_after_the_question(tmp_path
         time.sleep(0.2)
         with open(log, "a") as fh:
             fh.write(late[len(late) // 2:])
-    threading.Thread(target=finish).start()
+    writer = threading.Thread(target=finish)
+    writer.start()
     got = answers_in(str(log), offset, [1], 2.0)
+    writer.join()
     assert got[1].threads[0].frames[0].line == 41
     assert answers_in(str(log), offset, [1, 2], 0.1).keys() == {1}
 

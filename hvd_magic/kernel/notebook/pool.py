@@ -540,9 +540,8 @@ class Pool:
         which ``mpiexec`` brings into its log here. A rank that has not answered after
         ``timeout`` s is named as such."""
         from ...stacks import dump
-        here = socket.gethostname()
         ranks = list(range(self.size))
-        elsewhere = [r for r in ranks if self.hosts.get(r, here) != here]
+        elsewhere = self._elsewhere()
         log = os.path.join(self.config.workdir, "mpiexec.log")
         offset = os.path.getsize(log) if elsewhere and os.path.exists(log) else 0
         if elsewhere and self.client is not None:
@@ -563,6 +562,11 @@ class Pool:
                     r, missing=f"did not answer within {timeout:g} s (it runs on "
                                f"{self.hosts[r]}; stopped, or gone)")
         return [out[r] for r in ranks]
+
+    def _elsewhere(self) -> List[int]:
+        """The ranks that run on another host than this kernel's."""
+        here = socket.gethostname()
+        return [r for r in range(self.size) if self.hosts.get(r, here) != here]
 
 
 class _Timeout(Exception):

@@ -252,13 +252,17 @@ class RayRanks:
         workers = self.executor.workers if self.executor is not None else []
         ask = functools.partial(engine_stacks, timeout=timeout)
         refs = [w.execute.remote(ask) for w in workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout + 3.0)
+        answered = set(ready)
         out = []
         for r, ref in enumerate(refs):
             try:
-                out.append(ray.get(ref, timeout=timeout + 3.0))
+                if ref not in answered:
+                    raise TimeoutError(f"not within {timeout + 3.0:g} s")
+                out.append(ray.get(ref))
             except Exception as exc:  # noqa: BLE001 - a lost actor: named, not shown
                 out.append(dump.RankStack(r, missing=f"its Ray actor did not answer "
-                                                     f"({type(exc).__name__})"))
+                                                     f"({type(exc).__name__}: {exc})"))
         return out
 
     def stop(self) -> None:
@@ -521,8 +525,10 @@ class RayPool(Pool):
         answer on its node; a local Ray's ranks all run on this machine."""
         if isinstance(self.ranks, RayRanks) and self.config.ray != LOCAL:
             return self.ranks.stacks(timeout)
-        from ...stacks import dump
-        return dump.gather(stacks_dir(self.config.workdir), list(range(self.size)), timeout)
+        return super().stacks(timeout)
+
+    def _elsewhere(self) -> List[int]:
+        return []          # (a local Ray; a cluster's ranks answer through their actors)
 
     def status(self, timeout: float = 2.0) -> Dict[str, Any]:
         st = super().status(timeout)
