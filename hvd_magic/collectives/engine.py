@@ -431,6 +431,7 @@ class Engine:
     def _loop(self) -> None:
         lock = self._cycle_lock
         while True:
+            seen = self.cycles
             news = self._await_reason()
             with lock:
                 if self._inline_exc is not None:
@@ -440,8 +441,10 @@ class Engine:
                 if self._ended:
                     return
                 if self._px is None:
-                    if news and not self._has_news():
-                        continue      # a waiting user thread negotiated it already
+                    if self.cycles != seen or (news and not self._has_news()):
+                        # a waiting user thread ran a cycle meanwhile: what this one was
+                        # for (news, or polling for requests then announced) may be done
+                        continue
                     self._post_exchange(self._take_message())
                 if self._after_exchange(*self._finish_exchange()):
                     self._ended = True
