@@ -88,47 +88,42 @@ def allreduce_async_(tensor: Any, name: Optional[str] = None, op: Any = Average,
                             process_set=process_set)
 
 
-#: What a call's arguments decide, kept per (dtype, shape, device, op, scale factors):
-#: the request's fields after its name, its size, and the response cache's key of an unnamed
-#: call with them. A training loop calls with the same few keys every
-#: step, so the checks and conversions below run once per key, not per call.
+#: What a call's arguments decide, kept per (name, dtype, shape, device, op, scale factors):
+#: for a named call its request, for an unnamed one (name None) the request's fields after
+#: its name and the response cache's key of such a call; and its size. A training loop
+#: calls with the same names and keys every step, so the checks and conversions below run
+#: once per key, not per call.
 _DECIDED: dict = {}
+_DECIDED_CAP = 1 << 15
 
 
 def decide(tensor, name, op, prescale, postscale, e) -> Optional[tuple]:
     """``(request, key)`` of a global-set allreduce whose arguments were decided before (see
     ``_DECIDED``), counted in the live panel's bytes: ``key`` is the response cache's key of
     an unnamed call's request (what ``ResponseCache.key`` makes of its numbered name, made
-    once: 0.25 us a call less), None for a named one. None: not seen yet (or not a tensor)."""
-    if name is not None and not (type(name) is str and name):
-        return None
+    once: 0.25 us a call less), None for a named one. None: not seen yet (or not a tensor).
+    (A name that is not a non-empty string is never kept: such a call is checked in full.)"""
     try:
-        decided = _DECIDED.get((tensor.dtype, tensor.shape, getattr(tensor, "device", None),
-                                op, prescale, postscale))
+        decided = _DECIDED.get((name, tensor.dtype, tensor.shape,
+                                getattr(tensor, "device", None), op, prescale, postscale))
     except (AttributeError, TypeError):       # not a tensor, or an unhashable argument
         return None
     if decided is None:
         return None
-    fields, size, unnamed = decided
+    ann, size, unnamed = decided
     progress.allreduce_bytes += size          # the live panel's gradient bytes per step
-    if name is None:
-        return new_tuple(Ann, (request_name("allreduce", None, e),) + fields), unnamed
-    return new_tuple(Ann, (name,) + fields), None
-
-
-def decided_ann(tensor, name, op, prescale, postscale, e) -> Optional[Ann]:
-    """The request alone of :func:`decide`."""
-    d = decide(tensor, name, op, prescale, postscale, e)
-    return None if d is None else d[0]
+    if unnamed is None:
+        return ann, None
+    return new_tuple(Ann, (request_name("allreduce", None, e),) + ann), unnamed
 
 
 def submit_allreduce(tensor, out, name, op, prescale, postscale, urgent=False,
                      process_set=_GLOBAL) -> Handle:
     e = runtime.engine
     if process_set is _GLOBAL and e is not None:
-        ann = decided_ann(tensor, name, op, prescale, postscale, e)
-        if ann is not None:
-            return e.submit(ann, tensor, out, urgent=urgent)
+        d = decide(tensor, name, op, prescale, postscale, e)
+        if d is not None:
+            return e.submit(d[0], tensor, out, None, urgent)
     dtype, shape, device = check_tensor(tensor, "allreduce")
     op_ = ops.to_op(op)
     ops.check_op_dtype(op_, dtype)
@@ -139,11 +134,12 @@ def submit_allreduce(tensor, out, name, op, prescale, postscale, urgent=False,
     size = math.prod(shape) * ops.np_dtype(dtype).itemsize
     if eng is e:
         try:
-            key = (tensor.dtype, tensor.shape, getattr(tensor, "device", None), op, prescale,
-                   postscale)
-            if len(_DECIDED) > 4096:
+            key = (name, tensor.dtype, tensor.shape, getattr(tensor, "device", None), op,
+                   prescale, postscale)
+            if len(_DECIDED) > _DECIDED_CAP:
                 _DECIDED.clear()
-            _DECIDED[key] = (ann[1:], size, ("allreduce.noname\0",) + ann[1:])
+            _DECIDED[key] = ((ann, size, None) if name is not None else
+                             (ann[1:], size, ("allreduce.noname\0",) + ann[1:]))
         except TypeError:                     # an unhashable argument: decided per call
             pass
     progress.allreduce_bytes += size

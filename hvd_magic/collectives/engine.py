@@ -16,6 +16,7 @@ Costs when idle and when waiting:
 from __future__ import annotations
 
 import marshal
+import operator
 import sys
 import threading
 import time
@@ -42,6 +43,9 @@ from .stall import StallCheck
 from ..stacks import dump as stack_dump
 from .timeline import CYCLE, FLUSH_S, Timeline, TimelineWriter, now_us
 from .waiting import INLINE_SPIN_S, next_cycle_in, tight_timer_slack, wait_request
+
+
+_FIRST = operator.itemgetter(0)
 
 
 class Engine:
@@ -147,27 +151,29 @@ class Engine:
                 raise self.dead
             raise ShutdownError(f"the hvd_magic runtime on rank {self.me}{self.where} has stopped "
                                 f"({self.dead or 'shutdown() was called'}); call hvd.init() again")
-        handle = Handle(ann.name, ann.kind, self, post)
+        name = ann[0]
+        handle = Handle(name, ann[1], self, post)
         req = LocalReq(ann, tensor, handle, out)
-        if self.inflight.setdefault(ann.name, req) is not req:
-            raise ValueError(f"a {self.inflight[ann.name].ann.kind} of tensor '{ann.name}' is "
+        if self.inflight.setdefault(name, req) is not req:
+            raise ValueError(f"a {self.inflight[name].ann.kind} of tensor '{name}' is "
                              "already in flight on this rank; wait for it (hvd.synchronize) "
                              "or use another name")
         if ann.device != "cpu" and self.inline:
             # CUDA tensors: NCCL's streams and the current device are set up on the engine
             # thread; from now on every cycle runs there.
             self.inline = self.short_path = False
-        if ann.name not in self.sites and ".noname." not in ann.name:
+        if name not in self.sites and ".noname." not in name:
             # where the user's code first submitted this name, for the stall report (once
             # per name: a training loop's names repeat; unnamed calls wait where they are)
             if len(self.sites) < stack_dump.SITES_CAP:
-                self.sites[ann.name] = stack_dump.submit_site()
+                self.sites[name] = stack_dump.submit_site()
         self._new.append(req)
         if urgent:
             self._urgent = True
             if self.inline:
                 return handle   # the caller waits at once: Handle.wait runs or rings the cycle
-        self._ring()
+        if self._bell.locked():   # (the engine thread sleeps: only then a call to _ring)
+            self._ring()
         return handle
 
     def run_now(self, ann: Ann, tensor: Any, out: Any = None, key: Optional[tuple] = None) -> Any:
@@ -399,11 +405,16 @@ class Engine:
         cache = self.cache
         if cache is not None and cache.by_ann and not (self.neg.joined or self.neg.shut):
             cached, announced = self._cached, self.neg.pending
+            # (a named request is its own key: one dict look-up, 0.1 us a request less)
+            get, slot_of = cache.by_ann.get, cache.slot
             while self._new:
                 r = pop()
-                slot = cache.slot(r.ann)
-                if slot is None or r.ann.name in announced:   # (another rank announced it
-                    new.append(r)                             # in full: its metadata differ)
+                ann = r.ann
+                slot = get(ann)
+                if slot is None:
+                    slot = slot_of(ann)
+                if slot is None or (announced and ann.name in announced):  # (another rank
+                    new.append(r)                    # announced it in full: metadata differ)
                 elif slot in cached:       # (unnamed calls of one slot: in turn)
                     self._queued.setdefault(slot, deque()).append(r)
                 else:
@@ -544,7 +555,7 @@ class Engine:
         longer announces them (the next of a slot's waiting unnamed calls takes its bit)."""
         if not ready:
             return [], []
-        cached, queued = self._cached, self._queued
+        cached, queued, demoted = self._cached, self._queued, self._demoted
         responses = []
         for slot, resp in ready:
             req = cached.pop(slot)
@@ -554,16 +565,18 @@ class Engine:
                 if resp.kind != "allreduce":    # (their backends label from these)
                     resp.anns = {r: a._replace(name=name) for r, a in resp.anns.items()}
             responses.append(resp)
-            self._demoted.discard(slot)
-            later = queued.get(slot)
-            if later:
-                cached[slot] = later.popleft()
-                if not later:
-                    del queued[slot]
+            if demoted:
+                demoted.discard(slot)
+            if queued:
+                later = queued.get(slot)
+                if later:
+                    cached[slot] = later.popleft()
+                    if not later:
+                        del queued[slot]
         self.cache.hits += len(ready)
         if len(responses) == 1:
             return responses, None
-        key = (self.cache.version, tuple(slot for slot, _ in ready))
+        key = (self.cache.version, tuple(map(_FIRST, ready)))
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) > 64:

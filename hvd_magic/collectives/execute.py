@@ -9,6 +9,8 @@ request's :class:`~.handles.Handle`.
 """
 from __future__ import annotations
 
+import itertools
+import operator
 import time
 from typing import Callable, Optional
 
@@ -23,6 +25,8 @@ from .handles import Handle, LocalReq
 from .negotiation import Response
 from .timeline import NEGOTIATE, QUEUE, Timeline, now_us, request_args
 
+_ANN_OF = operator.attrgetter("ann")
+_NAME_OF = operator.attrgetter("name")
 _ERRORS = {"mismatch": TensorMismatchError, "stall": StallError,
            "joined": JoinedRankError, "shutdown": ShutdownError}
 
@@ -139,11 +143,12 @@ class Executor:
         else:
             if self._cancelled:
                 reqs = [self._take(resp.name) for resp in responses]
-            else:   # (the dict lookups alone, ~0.3 us a request less than take)
-                pop = self._inflight.pop
-                reqs = [pop(resp.name, None) for resp in responses]
-            entries = [(req, req.ann if req is not None else resp.first)
-                       for req, resp in zip(reqs, responses)]
+            else:   # (the dict lookups alone, in C: ~0.35 us a request less than take)
+                reqs = list(map(self._inflight.pop, map(_NAME_OF, responses),
+                                itertools.repeat(None)))
+            entries = (list(zip(reqs, map(_ANN_OF, reqs))) if None not in reqs else
+                       [(req, req.ann if req is not None else resp.first)
+                        for req, resp in zip(reqs, responses)])
         if self.tl.active:
             self._queue_events(entries, decided)
         try:

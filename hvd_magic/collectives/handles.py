@@ -17,6 +17,8 @@ from . import ops
 from .negotiation import Ann
 
 
+_MAKING = _allocate_lock()
+
 #: What :meth:`.engine.Engine.run_now` returns when it did nothing (then submit).
 NOT_TAKEN = object()
 
@@ -37,8 +39,9 @@ class Handle:
                  post: Optional[Callable[[Any, Any], Any]] = None):
         self.name = name
         self.kind = kind
-        self._lock = _allocate_lock()   # held until the result is in: waiting = acquiring it
-        self._lock.acquire()
+        # made by the first thread that blocks on the handle (most results are in before
+        # anyone waits: an inline cycle or a synchronize after it), held until resolved
+        self._lock = None
         self._done = False
         self._result: Any = None
         self._error: Optional[BaseException] = None
@@ -61,6 +64,17 @@ class Handle:
         """Wait at most ``timeout`` s for :meth:`resolve` (no progress is made here);
         True: the handle is resolved."""
         lock = self._lock
+        if lock is None:
+            with _MAKING:          # (one lock per handle, whoever blocks first)
+                lock = self._lock
+                if lock is None:
+                    lock = _allocate_lock()
+                    lock.acquire()
+                    self._lock = lock
+        # resolve() sets _done before it looks for a lock: either it saw this lock and
+        # releases it, or _done is already set here
+        if self._done:
+            return True
         if lock.acquire(True, timeout):
             lock.release()   # leave it open for any other waiter
             return True
@@ -72,7 +86,9 @@ class Handle:
             return
         self._result, self._error = result, error
         self._done = True
-        self._lock.release()
+        lock = self._lock
+        if lock is not None:
+            lock.release()
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"

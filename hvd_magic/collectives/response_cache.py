@@ -148,11 +148,6 @@ class ResponseCache:
 
     def ready(self, vec: np.ndarray) -> list:
         """After the AND: ``[(slot, Response)]`` of the requests every rank submitted."""
-        bits = int.from_bytes(vec[1:].tobytes(), "little")
-        out = []
-        while bits:
-            low = bits & -bits
-            slot = low.bit_length() - 1
-            out.append((slot, self.slots[slot]))
-            bits ^= low
-        return out
+        slots = self.slots
+        set_bits = np.flatnonzero(np.unpackbits(vec[1:].view(np.uint8), bitorder="little"))
+        return [(slot, slots[slot]) for slot in set_bits.tolist()]

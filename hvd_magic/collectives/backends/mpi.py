@@ -12,6 +12,7 @@ temporaries of the whole size and falls out of the caches: 16 and 64 MiB run fas
 """
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 import weakref
@@ -116,8 +117,11 @@ _AVERAGE = ReduceOp.AVERAGE
 _IN_PLACE = MPI.IN_PLACE
 _REQ_OF = operator.itemgetter(0)
 _OUT_OF = operator.attrgetter("out")
+_TENSOR_OF = operator.attrgetter("tensor")
 _SIZE_OF = operator.attrgetter("size")
 _NONE_T = type(None)
+_SHAPE_OF = operator.attrgetter("shape")
+_NDARRAY = {np.ndarray}
 _DTYPES: dict = {}
 
 
@@ -187,6 +191,7 @@ class MPIBackend:
         self.size = comm.Get_size()
         self.tl = timeline
         self._fusion: dict[str, np.ndarray] = {}
+        self._layouts: dict = {}
         #: MPI op per (int(ReduceOp), dtype name); ``numpy_reduced``: the (op name, dtype)
         #: pairs this MPI computed wrong, reduced with numpy instead (:func:`checked_ops`)
         self.ops, self.numpy_reduced = checked_ops(comm)
@@ -201,7 +206,25 @@ class MPIBackend:
         buf = self._fusion.get(dtype.str)
         if buf is None or buf.size < n:
             buf = self._fusion[dtype.str] = np.empty(max(n, 1024), dtype=dtype)
+            self._layouts.clear()         # (their views are of the old buffer)
         return buf[:n]
+
+    def _layout(self, red: np.dtype, shapes: tuple) -> tuple:
+        """``(buffer, views)``: the fusion buffer for tensors of ``shapes`` packed in turn,
+        and a view of each one's place in it, shaped as it is. Made once per layout: a
+        training loop fuses the same tensors every step, and slicing 100 views costs
+        about as much as copying 100 x 4 KiB out through them."""
+        layout = self._layouts.get((red, shapes))
+        if layout is None:
+            sizes = [math.prod(shape) for shape in shapes]
+            base = self._fusion_buffer(red, sum(sizes)).base
+            if len(self._layouts) > 64:
+                self._layouts.clear()
+            ends = list(itertools.accumulate(sizes))
+            layout = self._layouts[(red, shapes)] = (
+                base[:ends[-1]], [base[end - n:end].reshape(shape)
+                                  for n, end, shape in zip(sizes, ends, shapes)])
+        return layout
 
     # -------------------------------------------------------------- allreduce
     def allreduce(self, entries: list, n_contrib: int) -> None:
@@ -229,7 +252,25 @@ class MPIBackend:
         reqs = list(map(_REQ_OF, entries))
         whole = not half and ann0.prescale == 1.0 and None not in reqs
         if whole:
-            srcs = [req.src() for req in reqs]
+            tensors = list(map(_TENSOR_OF, reqs))
+            outs = list(map(_OUT_OF, reqs))
+            if set(map(type, outs)) == _NDARRAY and all(map(operator.is_, outs, tensors)):
+                # every tensor a numpy array reduced in place (a training loop's usual
+                # call): packed and unpacked as they are (numpy copies any layout and byte
+                # order in and out), with no contiguous view of each made first
+                buf, views = self._layout(red, tuple(map(_SHAPE_OF, tensors)))
+                t0 = now_us() if tl else 0.0
+                np.concatenate(tensors, axis=None, out=buf, casting="unsafe")
+                t1 = now_us() if tl else 0.0
+                self._reduce_into(buf, mop, op, ann0.postscale, n_contrib)
+                t2 = now_us() if tl else 0.0
+                for req, out, view in zip(reqs, outs, views):
+                    out[...] = view
+                    req.result = out
+                if tl:
+                    self._fused_events(entries, names, buf, t0, t1, t2)
+                return
+            srcs = list(map(LocalReq.src, reqs))
             sizes = list(map(_SIZE_OF, srcs))     # (C-level getters: ~0.5 us a tensor
         else:                                     # less than Python loops, 100 x 4 KiB)
             srcs = None
@@ -283,12 +324,18 @@ class MPIBackend:
                 req.set_array(out.reshape(ann.shape), dtype)
             off = end
         if tl:
-            t3 = now_us()
-            args = {"bytes": int(buf.nbytes), "tensors": names}
-            for _, ann in entries:
-                self.tl.add(ann.name, MEMCPY_IN, t0, t1 - t0)
-                self.tl.add(ann.name, f"{self.prefix}_ALLREDUCE", t1, t2 - t1, args)
-                self.tl.add(ann.name, MEMCPY_OUT, t2, t3 - t2)
+            self._fused_events(entries, names, buf, t0, t1, t2)
+
+    def _fused_events(self, entries: list, names: list, buf: np.ndarray, t0: float,
+                      t1: float, t2: float) -> None:
+        """The timeline's spans of one fused allreduce: packing (``t0`` to ``t1``), MPI
+        (to ``t2``) and unpacking (to now)."""
+        t3 = now_us()
+        args = {"bytes": int(buf.nbytes), "tensors": names}
+        for _, ann in entries:
+            self.tl.add(ann.name, MEMCPY_IN, t0, t1 - t0)
+            self.tl.add(ann.name, f"{self.prefix}_ALLREDUCE", t1, t2 - t1, args)
+            self.tl.add(ann.name, MEMCPY_OUT, t2, t3 - t2)
 
     def one(self, ann: Any, n_contrib: int) -> Any:
         """How one request with ``ann``'s metadata is reduced at once, decided once for every
