@@ -16,6 +16,12 @@ from typing import Any, Mapping, Optional, Tuple
 #: ranks that elastic training spawns get them from rank 0 (a remote host starts bare).
 PREFIXES = ("HOROVOD_", "HVD_MAGIC_")
 
+#: The prefixes of the driver's variables that ranks in Ray actors get (a node's Ray starts
+#: them with its own environment): those that tell the ranks' runtime and its libraries how
+#: to behave, e.g. GLOO_SOCKET_IFNAME where a node's hostname does not resolve to the
+#: address the other nodes reach. A notebook's Ray pool and an exported Ray driver use them.
+RAY_FORWARDED = ("HOROVOD_", "GLOO_", "NCCL_", "TORCH_")
+
 #: With HVD_MAGIC_EXIT_REPORT, each rank's last line on stderr: ``EXIT_MARK rank=R size=S ok=1``.
 EXIT_MARK = "[hvd_magic exit]"
 

@@ -67,6 +67,23 @@ def test_launcher_lines():
     assert "'--wrap=hvdrun -np 8 python t.py'" in line
 
 
+def test_a_ray_pool_exports_a_ray_driver():
+    """The pool ran on Ray: the script is run with python and drives RayExecutor workers on
+    the same cluster (or a Ray of its own, as a local pool had); the cells follow as they
+    would under hvdrun (the real run: tests/test_ray_pool.py)."""
+    cells = [_cell("-np 2 --ray 10.1.2.3:6379", "w = 1", ray="10.1.2.3:6379"),
+             _cell("", "w + 1", ray="10.1.2.3:6379")]
+    made = build_script(cells, "t.py")
+    assert made.command == "python t.py" and made.np == 2
+    assert "ray.init(address='10.1.2.3:6379', log_to_driver=False)" in made.script
+    assert "RayExecutor(RayExecutor.create_settings(timeout_s=60), num_workers=2)" in made.script
+    driver, cells_part = made.script.split("_hvd.init()      # on each worker", 1)
+    assert "# cell 2: %%hvd" in cells_part and "# cell" not in driver
+    compile(made.script, "t.py", "exec")
+    local = build_script([_cell("-np 3 --ray", "x = 1", 3, ray="local")], "t.py").script
+    assert 'ray.init(address="local", include_dashboard=False, num_cpus=max(3,' in local
+
+
 def test_nothing_to_export():
     with pytest.raises(ValueError, match="no %%hvd cell"):
         build_script([{"kind": "push", "names": []}])

@@ -117,6 +117,22 @@ def test_stop_leaves_no_engine_or_ray_worker_behind(on_cluster):
 
 
 @pytest.mark.slow
+def test_export_of_a_ray_pool_is_a_ray_driver_that_gives_the_same_results(on_cluster):
+    """%hvd export after two cells on the Ray cluster writes a Ray driver (RayExecutor);
+    run with python, its two workers print what the cells showed, and nothing is left."""
+    res, _ = on_cluster
+    assert "python " in res["export_said"] and "hvdrun" not in res["export_said"], \
+        res["export_said"]
+    code, stdout, stderr = res["exported_run"]
+    assert code == 0, stdout + stderr
+    printed = stdout.splitlines()
+    for r in (0, 1):       # each cell's last value, on each worker, as the pool showed it
+        assert f"[{r}] ({r}, 2, [3.0, 3.0, 3.0])" in printed, stdout + stderr
+        assert f"[{r}] ({r}, [9.0, 9.0, 9.0])" in printed, stdout + stderr
+    assert res["left_after_export"] == [], res["left_after_export"]
+
+
+@pytest.mark.slow
 def test_a_killed_rank_ends_the_cell_naming_it(on_cluster):
     res, hosts = on_cluster
     text = res["killed"]

@@ -124,8 +124,9 @@ class HvdMagics(Magics):
             hosts = ",".join(f"{h.name}:{h.slots}" for h in req.hosts) if req.hosts else None
             self._where = {"hosts": hosts, "hostfile": req.hostfile,
                            "slurm": getattr(req, "slurm", None) or None}
+        ray = getattr(getattr(self.manager, "last", None), "ray", None)   # (the pool's)
         record = cell_record(line, cell, getattr(pool, "size", None) or req.np or 1, False,
-                             **self._where)
+                             ray=ray, **self._where)
         self.history.append(record)
         return record
 

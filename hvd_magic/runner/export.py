@@ -6,14 +6,16 @@ what it returns. Pure: nothing here runs, imports a framework or touches a file.
 A record is a dict (the magics make them):
 
 - ``{"kind": "cell", "line": "-np 2 --rank 0", "source": "...", "size": 2,
-  "ok": True, "hosts": "a:1,b:1" or None, "hostfile": None, "slurm": {...} or None}``;
+  "ok": True, "hosts": "a:1,b:1" or None, "hostfile": None, "slurm": {...} or None,
+  "ray": "host:port" or "local" or None}``;
 - ``{"kind": "push", "names": ["lr"], "ranks": None or [0], "carried": {"lr": "0.1"},
   "not_carried": {"model": "why"}}`` (:func:`carry_value` made ``carried``, at push time);
 - ``{"kind": "scale", "nps": "1,2", "source": "..."}``;
 - ``{"kind": "pull", "names": ["acc"]}``; ``{"kind": "stop"}`` / ``{"kind": "restart"}``;
   ``{"kind": "resize", "np": 3}``.
 
-The script runs as is under ``hvdrun -np N python PATH``: ``hvd.init()`` first (the pool did
+The script runs as is under ``hvdrun -np N python PATH`` (from a Ray pool: ``python PATH``, a
+Ray driver that runs the same lines on N ``RayExecutor`` workers): ``hvd.init()`` first (the pool did
 it when it started), then each cell in order; ``--rank``/``--ranks`` cells under
 ``if _hvd.rank() in (...)``; a pushed variable assigned where it was pushed; a cell's last
 expression printed as the pool showed it; notebook-only lines (``%magic``, ``!shell``) and
@@ -170,6 +172,94 @@ def _hvd_unpickle(text):
 '''
 
 
+RAY_HEADER = '''\
+"""Exported by hvd_magic's %hvd export from the %%hvd cells of a notebook session whose
+pool ran on Ray ({where}).
+
+Run it with:  {command}
+It is a Ray driver: it connects to Ray, starts {np} RayExecutor workers (the pool's ranks)
+and runs everything below its driver block on each of them, as the pool ran the cells;
+what each worker printed is shown here as [rank] lines when they are done (meanwhile it
+is in Ray's worker logs); an error names the rank and its node.
+"""
+import base64 as _hvd_base64
+import os as _hvd_os
+import pickle as _hvd_pickle
+
+import hvd_magic.collectives as _hvd
+
+
+def _hvd_on_worker(text, path):
+    """Run this file's cells here (a worker); what they printed, also left in Ray's log."""
+    import io
+    import sys
+
+    class Tee(io.TextIOBase):
+        def __init__(self, out):
+            self.out, self.kept = out, io.StringIO()
+
+        def write(self, s):
+            self.kept.write(s)
+            return self.out.write(s)
+
+        def flush(self):
+            self.out.flush()
+
+    tee = sys.stdout = Tee(sys.stdout)
+    try:
+        exec(compile(text, path, "exec"), {{"__name__": "__hvd_worker__", "__file__": path}})
+    finally:
+        sys.stdout = tee.out
+    return tee.kept.getvalue()
+
+
+if __name__ == "__main__":
+    import ray
+    from hvd_magic.ray import RayExecutor
+
+    ray.init({init}, log_to_driver=False)
+    _executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_workers={np})
+    # the workers start with their node's environment: these travel from this one, as the
+    # notebook's Ray pool forwarded them
+    _executor.start(extra_env_vars={{k: v for k, v in _hvd_os.environ.items()
+                                     if k.startswith({forwarded!r})}})
+    try:
+        with open(__file__) as _f:
+            _printed = _executor.run(_hvd_on_worker, args=[_f.read(), __file__])
+    finally:
+        _executor.shutdown()
+        ray.shutdown()
+    for _rank, _text in enumerate(_printed):     # each worker's output, as [rank] lines
+        for _line in _text.splitlines():
+            print(f"[{{_rank}}] {{_line}}")
+    raise SystemExit(0)
+
+_hvd.init()      # on each worker, as the notebook's pool did when it started
+
+
+def _hvd_unpickle(text):
+    return _hvd_pickle.loads(_hvd_base64.b64decode(text))
+
+'''
+
+def ray_header(np: int, path: str, address: str) -> Tuple[str, str]:
+    """``(header, command)`` of a script exported from a Ray pool: a driver that runs the
+    rest of the file on ``np`` RayExecutor workers, on the cluster at ``address`` (or, for
+    :data:`RAY_LOCAL`, on a Ray it starts on this machine, as the pool did)."""
+    from ..config import RAY_FORWARDED
+    from .options import RAY_LOCAL
+    command = f"python {shlex.quote(path)}"
+    if address == RAY_LOCAL:
+        where = "a Ray started on this machine for the pool"
+        init = (f'address="local", include_dashboard=False, '
+                f'num_cpus=max({np}, _hvd_os.cpu_count() or 1)')
+    else:
+        where = f"the cluster at {address}"
+        init = f"address={address!r}"
+    return RAY_HEADER.format(where=where, command=command, np=np, init=init,
+                             forwarded=RAY_FORWARDED), command
+
+
 def build_script(records: Sequence[Mapping[str, Any]], path: str = "script.py") -> Export:
     """The session's records (see the module docstring) -> :class:`Export`.
 
@@ -184,10 +274,16 @@ def build_script(records: Sequence[Mapping[str, Any]], path: str = "script.py") 
               for r in records if r.get("kind") == "scale" and r.get("nps")]
     np = max(sizes) if sizes else 1
     last = next((r for r in reversed(records) if r.get("kind") == "cell"), {})
-    command = launcher_command(np, path, last.get("hosts"), last.get("hostfile"),
-                               last.get("slurm"))
     notes: List[str] = []
-    parts: List[str] = [HEADER.format(command=command)]
+    if last.get("ray") is not None:       # the pool's ranks were Ray actors: a Ray driver
+        header, command = ray_header(np, path, str(last["ray"]))
+        notes.append("the pool ran on Ray: the script is a Ray driver (RayExecutor), run "
+                     "it with python")
+    else:
+        command = launcher_command(np, path, last.get("hosts"), last.get("hostfile"),
+                                   last.get("slurm"))
+        header = HEADER.format(command=command)
+    parts: List[str] = [header]
     number = 0
     for rec in records:
         kind = rec.get("kind")
@@ -246,10 +342,13 @@ def _cell_block(rec: Mapping[str, Any], number: int, np: int, notes: List[str]) 
 
 def cell_record(line: str, source: str, size: int, ok: bool,
                 hosts: Optional[str] = None, hostfile: Optional[str] = None,
-                slurm: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
-    """The record of one ``%%hvd`` cell (the magics call this)."""
+                slurm: Optional[Mapping[str, Any]] = None,
+                ray: Optional[str] = None) -> Dict[str, Any]:
+    """The record of one ``%%hvd`` cell (the magics call this); ``ray``: the Ray pool's
+    address (``local``: a Ray started for it), None for an MPI pool."""
     return {"kind": "cell", "line": line, "source": source, "size": size, "ok": ok,
-            "hosts": hosts, "hostfile": hostfile, "slurm": dict(slurm) if slurm else None}
+            "hosts": hosts, "hostfile": hostfile, "slurm": dict(slurm) if slurm else None,
+            "ray": ray}
 
 
 def push_record(names: Sequence[str], values: Mapping[str, Any],

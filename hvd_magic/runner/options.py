@@ -23,6 +23,9 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .plan import parse_hosts
 
+#: ``--ray`` without an address: ``ray.init``'s own word for a new local instance.
+RAY_LOCAL = "local"
+
 #: The commands that take options (a parser each).
 HVDRUN = "hvdrun"
 DOCTOR_CLI = "python -m hvd_magic.runner.doctor_run"
@@ -249,7 +252,7 @@ OPTIONS: Tuple[Option, ...] = (
     Option(("--ray",), "ray",
            "run the ranks in actors on a Ray cluster: ADDRESS as ray.init takes it (auto, "
            "HOST:PORT); without one, a Ray started on this machine for the pool",
-           (CELL, START, RESTART), metavar="ADDRESS", nargs="?", const="local", group="where"),
+           (CELL, START, RESTART), metavar="ADDRESS", nargs="?", const=RAY_LOCAL, group="where"),
     Option(("--profile",), "profile",
            "a cluster profile (NAME.toml in HVD_MAGIC_PROFILE_DIR or ~/.hvd_magic/profiles): "
            "hosts or Slurm, ranks, network, setup", PLACING, metavar="NAME",

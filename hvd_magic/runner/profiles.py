@@ -40,6 +40,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from .options import RAY_LOCAL
 from .plan import Host, interface_names, parse_hosts
 from .slurm import SlurmRequest, check_request
 
@@ -245,7 +246,7 @@ def launch_of(prof: Profile, np: Optional[int] = None) -> ProfileLaunch:
     return ProfileLaunch(np=count, hosts=hosts, slurm=slurm,
                          network_interface=prof.network_interface, env=env,
                          setup=setup_steps(prof),
-                         ray=(prof.ray_address or "local") if prof.scheduler == "ray" else None)
+                         ray=(prof.ray_address or RAY_LOCAL) if prof.scheduler == "ray" else None)
 
 
 def setup_steps(prof: Profile) -> List[str]:

@@ -5,7 +5,8 @@ host for a cluster): ``python ray_pool.py SCENARIO [ADDRESS NS_A NS_B]``; prints
 ``cluster``: ``%%hvd -np 2 --ray ADDRESS`` cells through a real IPython shell: an
 allreduce, state kept between cells, ``%hvd status``, a cell's telemetry (the panel's data,
 in its text form), ``%hvd stacks`` while a cell runs,
-where the controller listens, ``%hvd stop``; then a new pool, a cell that runs while rank 1's engine is killed, and how
+where the controller listens, ``%hvd export`` of the first two cells (the Ray driver it writes
+is run after ``%hvd stop``), ``%hvd stop``; then a new pool, a cell that runs while rank 1's engine is killed, and how
 long until the cell ended and what it said.
 
 ``local``: ``%%hvd -np 2 --ray`` (a Ray started for the pool): an allreduce, what the Ray
@@ -16,6 +17,9 @@ import contextlib
 import io
 import json
 import os
+import shutil
+import subprocess
+import tempfile
 import sys
 import threading
 import time
@@ -111,6 +115,9 @@ if scenario == "cluster":
     shell.run_cell_magic("hvd", "--out second", "w += hvd.allreduce(w, op=hvd.Sum)\n"
                                                 "(hvd.rank(), w.tolist())")
     res["second"] = out("second")
+    # %hvd export of the two cells so far: a Ray driver, run below once the pool is gone
+    exported = os.path.join(tempfile.mkdtemp(prefix="hvd-export-"), "exported.py")
+    res["export_said"] = captured(lambda: shell.run_line_magic("hvd", f"export {exported}"))
     try:
         shell.run_cell_magic("hvd", "--timeout 2", "import time\ntime.sleep(30)\n")
         res["timeout"] = "no exception"
@@ -153,6 +160,15 @@ if scenario == "cluster":
     res["stopped_clean"] = gone_within(engines, 10.0)
     time.sleep(1.0)
     res["left_after_stop"] = engines_and_workers()
+    # the exported script, as its header says to run it (its workers get this process's
+    # GLOO_SOCKET_IFNAME, as the pool's ranks did)
+    try:
+        ran = subprocess.run([sys.executable, exported], capture_output=True, text=True,
+                             timeout=180)
+        res["exported_run"] = [ran.returncode, ran.stdout, ran.stderr[-4000:]]
+    finally:
+        shutil.rmtree(os.path.dirname(exported))
+    res["left_after_export"] = engines_and_workers()
 
     # a new pool; rank 1's engine is killed while a cell runs
     shell.run_cell_magic("hvd", f"-np 2 {ray_arg}", "x = 1")

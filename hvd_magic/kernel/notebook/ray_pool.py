@@ -41,6 +41,7 @@ from dataclasses import replace
 from typing import Any, Dict, List, Optional
 
 from ... import config as settings
+from ...runner.options import RAY_LOCAL
 from .cells import ipyparallel
 from .liveness import Seen
 from .output import OutputSink, PoolError, n_ranks
@@ -49,12 +50,9 @@ from .plan import CLUSTER_ID, NO_NAMESPACE, PoolConfig, PoolPlan, check_request,
 from .pool import DIGEST_HISTORY, Pool
 from .procs import RankExit, describe_exit, descendants, spawn, stop_tree, tail
 
-#: ``--ray`` without an address: ``ray.init``'s own word for a new local instance.
-LOCAL = "local"
+LOCAL = RAY_LOCAL      # --ray without an address
 #: How often the kernel asks the actors whether their engines still run (seconds).
 POLL_S = 0.25
-#: The kernel's variables that the ranks get (by prefix): the runtime's settings.
-FORWARDED = ("HOROVOD_", "GLOO_", "NCCL_", "TORCH_")
 #: Seconds to wait for the actors to stop their engines before killing the actors.
 STOP_WAIT_S = 3.0
 
@@ -146,9 +144,8 @@ def plan_ray_pool(config: PoolConfig, local: bool) -> PoolPlan:
     security = os.path.join(config.workdir, "security")
     # the ranks run in Ray's workers, with the environment of each node's Ray: of this
     # kernel's, only what tells the ranks' runtime how to behave travels with them (as the
-    # MPI pool's ranks inherit it), e.g. GLOO_SOCKET_IFNAME where a node's hostname does not
-    # resolve to the address the other nodes reach
-    env = {k: v for k, v in config.environ.items() if k.startswith(FORWARDED)}
+    # MPI pool's ranks inherit it)
+    env = {k: v for k, v in config.environ.items() if k.startswith(settings.RAY_FORWARDED)}
     env.update(config.env)
     env.update(IPP_CONNECTION_INFO=json.dumps(engine_info, sort_keys=True),
                HVD_MAGIC_POOL="1", HVD_MAGIC_STACKS_DIR=stacks_dir(config.workdir),
