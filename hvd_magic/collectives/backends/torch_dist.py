@@ -379,6 +379,9 @@ class TorchBackend:
         self._dist_op(op, ann0.dtype)           # (Adasum: a ValueError before any work)
         device = self._device(next((req for req, _ in entries if req is not None), None), ann0)
         red = self._red_dtype(ann0.dtype, ann0.device)
+        if len(entries) == 1 and self._reduce_in_place(entries[0][0], ann0, op, red, device,
+                                                       n_contrib):
+            return
         sizes = [math.prod(a.shape) for _, a in entries]
         tl = self.tl.active
         t0 = now_us() if tl else 0.0
@@ -412,6 +415,35 @@ class TorchBackend:
                 self.tl.add(ann.name, f"{self._prefix(device)}_ALLREDUCE", t1, t2 - t1, args)
                 if len(entries) > 1:
                     self.tl.add(ann.name, MEMCPY_OUT, t2, t3 - t2)
+
+    def _reduce_in_place(self, req: Any, ann: Any, op: ReduceOp, red: Any, device: Any,
+                         n_contrib: int) -> bool:
+        """One in-place request whose tensor torch can reduce as it is (contiguous, of the
+        reduction's dtype, on ``device``; a numpy array through a torch view of its memory):
+        reduced in its own memory, with no buffer to fill and empty (a fused bucket from
+        ``DistributedOptimizer`` is such a tensor: 1.7 MB under torchrun took 2.6 ms a call
+        through the buffer, its two copies and two fresh allocations). False: not such a
+        request, nothing done."""
+        out = None if req is None else req.out
+        if isinstance(out, self.torch.Tensor):
+            t = out.detach()
+        elif isinstance(out, np.ndarray) and out is req.tensor and out.flags.c_contiguous \
+                and out.flags.writeable and out.dtype.isnative:
+            t = self.torch.from_numpy(out)
+        else:
+            return False
+        if not (t.is_contiguous() and t.dtype == red and t.device == device):
+            return False
+        if ann.prescale != 1.0:
+            self._scale(t, ann.prescale)
+        t0 = now_us() if self.tl.active else 0.0
+        self.dist.all_reduce(t, op=self._dist_op(op, ann.dtype), group=self.group)
+        if self.tl.active:
+            self.tl.add(ann.name, f"{self._prefix(device)}_ALLREDUCE", t0, now_us() - t0,
+                        {"bytes": int(t.numel() * t.element_size()), "tensors": [ann.name]})
+        self._finish(t, op, ann.postscale, n_contrib)
+        req.result = out
+        return True
 
     # -------------------------------------------------------------- allgather
     def allgather(self, req: Any, anns: dict, n_ranks: int) -> None:
