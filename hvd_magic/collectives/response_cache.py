@@ -78,8 +78,12 @@ class ResponseCache:
         return (key,) + ann[1:]          # (a plain tuple: a key, not a request)
 
     def slot(self, ann: Ann) -> Optional[int]:
-        """The slot this request is announced by, or None."""
-        return self.by_ann.get(self.key(ann))
+        """The slot this request is announced by, or None. (A named request is its own key:
+        one dict look-up, without :meth:`key`'s parsing.)"""
+        slot = self.by_ann.get(ann)
+        if slot is None and ".noname." in ann[0]:
+            slot = self.by_ann.get(self.key(ann))
+        return slot
 
     def add(self, responses: list) -> bool:
         """Keep the decisions of one negotiated cycle that every rank keeps. False when the

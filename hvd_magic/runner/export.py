@@ -158,12 +158,16 @@ HEADER = '''\
 
 Run it with:  {command}
 """
+'''
+
+#: What every exported script starts its cells with (after its header).
+PRELUDE = '''\
 import base64 as _hvd_base64
 import pickle as _hvd_pickle
 
 import hvd_magic.collectives as _hvd
 
-_hvd.init()      # the notebook's pool did this when it started
+_hvd.init()      # {init_note}
 
 
 def _hvd_unpickle(text):
@@ -182,11 +186,7 @@ and runs everything below its driver block on each of them, as the pool ran the 
 what each worker printed is shown here as [rank] lines when they are done (meanwhile it
 is in Ray's worker logs); an error names the rank and its node.
 """
-import base64 as _hvd_base64
 import os as _hvd_os
-import pickle as _hvd_pickle
-
-import hvd_magic.collectives as _hvd
 
 
 def _hvd_on_worker(text, path):
@@ -234,12 +234,6 @@ if __name__ == "__main__":
             print(f"[{{_rank}}] {{_line}}")
     raise SystemExit(0)
 
-_hvd.init()      # on each worker, as the notebook's pool did when it started
-
-
-def _hvd_unpickle(text):
-    return _hvd_pickle.loads(_hvd_base64.b64decode(text))
-
 '''
 
 def ray_header(np: int, path: str, address: str) -> Tuple[str, str]:
@@ -277,13 +271,15 @@ def build_script(records: Sequence[Mapping[str, Any]], path: str = "script.py") 
     notes: List[str] = []
     if last.get("ray") is not None:       # the pool's ranks were Ray actors: a Ray driver
         header, command = ray_header(np, path, str(last["ray"]))
+        init_note = "on each worker, as the notebook's pool did when it started"
         notes.append("the pool ran on Ray: the script is a Ray driver (RayExecutor), run "
                      "it with python")
     else:
         command = launcher_command(np, path, last.get("hosts"), last.get("hostfile"),
                                    last.get("slurm"))
         header = HEADER.format(command=command)
-    parts: List[str] = [header]
+        init_note = "the notebook's pool did this when it started"
+    parts: List[str] = [header + PRELUDE.format(init_note=init_note)]
     number = 0
     for rec in records:
         kind = rec.get("kind")

@@ -427,8 +427,8 @@ class TorchBackend:
         out = None if req is None else req.out
         if isinstance(out, self.torch.Tensor):
             t = out.detach()
-        elif isinstance(out, np.ndarray) and out is req.tensor and out.flags.c_contiguous \
-                and out.flags.writeable and out.dtype.isnative:
+        elif isinstance(out, np.ndarray) and out is req.tensor and out.flags.writeable \
+                and ops.as_numpy(out) is out:        # (contiguous, native: no copy made)
             t = self.torch.from_numpy(out)
         else:
             return False

@@ -20,7 +20,8 @@ from typing import Any, Dict
 def main() -> None:
     from ...runner.netns import enter_loopback_namespace
     enter_loopback_namespace()
-    from .ray_pool import LOCAL, RayRanks
+    from ...runner.options import RAY_LOCAL
+    from .ray_pool import RayRanks
     ranks = RayRanks()
     out = sys.stdout
 
@@ -34,7 +35,7 @@ def main() -> None:
             cmd = req.get("cmd")
             try:
                 if cmd == "connect":
-                    reply({"gcs": ranks.connect(LOCAL, int(req["np"]))})
+                    reply({"gcs": ranks.connect(RAY_LOCAL, int(req["np"]))})
                 elif cmd == "place":
                     reply(ranks.place(int(req["np"]), dict(req["env"]), float(req["limit"])))
                 elif cmd == "poll":

@@ -50,7 +50,6 @@ from .plan import CLUSTER_ID, NO_NAMESPACE, PoolConfig, PoolPlan, check_request,
 from .pool import DIGEST_HISTORY, Pool
 from .procs import RankExit, describe_exit, descendants, spawn, stop_tree, tail
 
-LOCAL = RAY_LOCAL      # --ray without an address
 #: How often the kernel asks the actors whether their engines still run (seconds).
 POLL_S = 0.25
 #: Seconds to wait for the actors to stop their engines before killing the actors.
@@ -131,7 +130,7 @@ def ray_config(np: int, address: str, env: Optional[Dict[str, str]] = None) -> P
     from ...runner import launch
     check_request(np, None, True)
     environ = dict(os.environ)
-    netns = address == LOCAL and launch.netns_wanted(environ) and launch.netns_available()
+    netns = address == RAY_LOCAL and launch.netns_wanted(environ) and launch.netns_available()
     return PoolConfig(np=np, workdir="/tmp/hvdm-plan", key=secrets.token_hex(16),
                       ipc=os.name == "posix", env=dict(env or {}), environ=environ,
                       ray=address, netns=netns)
@@ -185,8 +184,8 @@ class RayRanks:
         open); the cluster's GCS address."""
         import ray
         if not ray.is_initialized():
-            if address == LOCAL:
-                ray.init(address=LOCAL, include_dashboard=False,
+            if address == RAY_LOCAL:
+                ray.init(address=RAY_LOCAL, include_dashboard=False,
                          num_cpus=max(np, os.cpu_count() or 1),
                          log_to_driver=False, configure_logging=False)
             else:
@@ -392,7 +391,7 @@ class RayPool(Pool):
             raise PoolError(f"--ray needs Ray in this kernel's environment ({exc}); "
                             "pip install 'ray>=2.58'") from None
         t0 = time.monotonic()
-        local = self.config.ray == LOCAL
+        local = self.config.ray == RAY_LOCAL
         where = "a local Ray" if local else f"the Ray cluster at {self.config.ray}"
         if sink is not None:
             sink.status(f"hvd: starting {n_ranks(self.config.np)} on {where} ...")
@@ -448,7 +447,7 @@ class RayPool(Pool):
         for r, node in enumerate(placed["nodes"]):
             by_node.setdefault(f"{node['hostname']} ({node['ip']})", []).append(r)
         alive = placed.get("alive") or len(by_node)
-        where = "local Ray" if self.config.ray == LOCAL else f"Ray cluster {self.config.ray}"
+        where = "local Ray" if self.config.ray == RAY_LOCAL else f"Ray cluster {self.config.ray}"
         parts = [f"node {name}: {'ranks' if len(rs) > 1 else 'rank'} "
                  f"{','.join(map(str, rs))}" for name, rs in by_node.items()]
         return (f"hvd: {where}, {alive} node{'s' if alive != 1 else ''}; "
@@ -520,7 +519,7 @@ class RayPool(Pool):
     def stacks(self, timeout: float = 2.0) -> List[Any]:
         """Every rank's stack: on a Ray cluster each actor asks its rank and reads the
         answer on its node; a local Ray's ranks all run on this machine."""
-        if isinstance(self.ranks, RayRanks) and self.config.ray != LOCAL:
+        if isinstance(self.ranks, RayRanks) and self.config.ray != RAY_LOCAL:
             return self.ranks.stacks(timeout)
         return super().stacks(timeout)
 
