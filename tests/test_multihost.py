@@ -280,3 +280,23 @@ def test_a_stall_across_hosts_shows_the_stack_of_the_rank_on_the_other_host(two_
     hvdrun = err[err.index("hvdrun: the stacks of 2 rank(s)"):]
     _assert_both_ranks(hvdrun, submits=None)
     assert not two_hosts.leftovers(wait=3.0)
+
+
+def test_a_rank_on_another_host_spinning_in_c_holding_the_gil_still_gives_its_stack(two_hosts):
+    """Rank 1 runs on host B in one long C call that holds the GIL, so its Python handler
+    cannot answer, and hvdrun's real-time signal cannot reach B. The watcher process the rank
+    started at hvd.init() hears the forwarded signal, has faulthandler dump the stacks from C
+    and marks the lines: hvdrun shows rank 1 in the C call."""
+    from test_stacks import SCRIPT, line_of
+    proc = two_hosts.run([PY, "-m", "hvd_magic.runner.cli", "-np", "2", "-H",
+                          two_hosts.hosts_arg, "--network-interface", "10.231.0.0/24",
+                          "python", str(SCRIPT), "gil"],
+                         env=two_hosts.env(HOROVOD_STALL_CHECK_TIME_SECONDS="1"), timeout=60)
+    err = proc.stderr
+    assert proc.stdout.count("stall_stacks OK") == 2, proc.stdout + err
+    hvdrun = err[err.index("hvdrun: the stacks of 2 rank(s)"):]
+    spin = line_of("SPIN-IN-C")
+    assert f"rank 1: runs {SCRIPT}:{spin} (in spin_in_c), not in a collective" in hvdrun, err
+    # (rank 1's Python handler could answer only after its 6 s call: this answer is from C)
+    assert "[hvd_magic stacks of rank" not in err, err
+    assert not two_hosts.leftovers(wait=3.0)

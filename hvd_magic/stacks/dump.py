@@ -19,7 +19,8 @@ on this host and reads what each wrote, for at most ``timeout`` seconds; a rank 
 not answer, or runs on another host, is named as such. A rank whose host lacks that
 directory answers on its stderr, each line marked (:data:`FRAME`): hvdrun takes those lines
 out of the job's output (:class:`Framed`), a notebook's pool out of its ``mpiexec`` log
-(:func:`answers_in`).
+(:func:`answers_in`). Such a rank also starts a :mod:`.watch` process, which sends it
+SIGNAL_HELD when it hears SIGNAL and no answer follows (``mpiexec`` forwards SIGNAL only).
 """
 from __future__ import annotations
 
@@ -49,6 +50,9 @@ SIGNAL_HELD = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else None
 #: How a rank on another host than hvdrun's marks each line of its stacks on stderr; the
 #: last line (after the mark) is END.
 FRAME = "[hvd_magic stacks of rank {rank}] "
+#: What the Python handler of a rank with a :mod:`.watch` process writes into Python's signal
+#: wake-up pipe once it has answered (signal numbers are below it).
+ANSWERED = 0xFF
 END = "end of stacks: pid {pid} host {host} main {main}"
 _FRAMED = re.compile(r"\[hvd_magic stacks of rank (\d+)\] (.*)$")
 _END = re.compile(r"end of stacks: pid (\d+) host (\S+) main (\d+)$")
@@ -105,6 +109,7 @@ def install(rank: int) -> Optional[str]:
             # each line marked, and hvdrun takes its stacks out of the job's output (Framed)
             _state["rank"] = rank
             _answer_to(_stderr(), framed=True)
+            _start_watcher(rank)
             return None
         path = os.path.join(d, f"{rank}.stack")
         if _state.get("path") != path:
@@ -135,6 +140,66 @@ def _answer_to(fh, framed: bool = False) -> None:
         faulthandler.register(SIGNAL_HELD, file=fh, all_threads=True, chain=False)
 
 
+def _start_watcher(rank: int) -> None:
+    """On a host without the gatherer's directory: have a :mod:`.watch` process answer from
+    C for this rank when it holds the GIL (one per process, started again when an elastic
+    reset renumbers the rank; none when Python's signal wake-up pipe is taken, e.g. by an
+    asyncio loop's signal handlers)."""
+    if SIGNAL_HELD is None:
+        return
+    if _state.get("watcher") is not None and _state.get("watcher_rank") != rank:
+        _stop_watcher()
+    if _state.get("watcher") is None and not _spawn_watcher(rank):
+        return
+    faulthandler.register(SIGNAL_HELD, file=_state["held"], all_threads=True, chain=False)
+
+
+def _spawn_watcher(rank: int) -> bool:
+    import subprocess
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    try:
+        previous = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    except ValueError:       # not the main thread
+        previous = None
+    if previous != -1:
+        if previous is not None:
+            signal.set_wakeup_fd(previous)
+        os.close(r)
+        os.close(w)
+        return False
+    fd, path = tempfile.mkstemp(prefix=f"hvd_magic-stack-{rank}-")
+    held = os.fdopen(fd, "ab", buffering=0)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hvd_magic.stacks.watch", str(r), str(rank),
+             str(os.getpid()), str(threading.main_thread().ident), path],
+            pass_fds=(r,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            start_new_session=True)
+    except OSError:
+        signal.set_wakeup_fd(-1)
+        os.close(w)
+        held.close()
+        os.unlink(path)
+        return False
+    finally:
+        os.close(r)
+    _state.update(watcher=proc, watcher_rank=rank, wakeup=w, held=held)
+    return True
+
+
+def _stop_watcher() -> None:
+    """Close the watcher's pipe: it removes its dump file and ends."""
+    try:
+        signal.set_wakeup_fd(-1)
+    except ValueError:
+        pass
+    os.close(_state.pop("wakeup"))
+    _state.pop("held").close()
+    _state.pop("watcher").wait(2)
+    _state.pop("watcher_rank", None)
+
+
 def _answer(signum: int, frame) -> None:
     """SIGNAL's handler (main thread, GIL held): every thread's stack."""
     fh = _state.get("file")
@@ -154,6 +219,8 @@ def _answer(signum: int, frame) -> None:
         text = "".join(f"{mark}{line}\n" for line in body.splitlines() + [end])
         fh.flush()
         os.write(fh.fileno(), text.encode())
+        if "wakeup" in _state:            # the watcher need not answer from C
+            os.write(_state["wakeup"], bytes([ANSWERED]))
     except (OSError, ValueError):
         pass       # (the file went away: nothing to answer with)
 

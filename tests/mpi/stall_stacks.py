@@ -5,12 +5,11 @@ before) while rank 1 waits in allreduce 'grad.bias'. The stall check (HOROVOD_ST
 where each rank waits and both stacks; the stall shutdown
 (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS) then ends both calls with StallError.
 
-``gil``: rank 0 waits in an allreduce while rank 1 runs one long C call that never releases
-the GIL (a regular expression that backtracks); rank 1's stack must still come.
+``gil``: rank 0 waits in an allreduce while rank 1 runs one long C call (6 s or so) that
+never releases the GIL nor looks for signals (a sum over a range); rank 1's stack must still come.
 
 ``usr1``: ``mismatch`` printing READY first; the test sends SIGUSR1 to hvdrun then.
 """
-import re
 import sys
 import time
 
@@ -24,15 +23,14 @@ r = hvd.rank()
 x = np.ones(4)
 
 
-def spin_in_c(seconds):
-    # catastrophic backtracking: each match is one C call (re's matcher) holding the GIL
-    n = 20
-    while True:
-        t0 = time.monotonic()
-        re.match(r"(a*)*b", "a" * n)                      # SPIN-IN-C
-        if time.monotonic() - t0 > seconds:   # one call took this long: enough
-            return
-        n += 1
+def spin_in_c():
+    # sum() over a range is one C loop that holds the GIL and never looks for signals (re's
+    # matcher does: a Python handler runs inside it). About 6 s: the stacks are asked for
+    # during that call, when only an answer from C can come in time.
+    t0 = time.monotonic()
+    sum(range(10**7))
+    per_item = max(time.monotonic() - t0, 1e-9) / 10**7
+    sum(range(int(6.0 / per_item)))                     # SPIN-IN-C
 
 
 if mode in ("mismatch", "usr1"):
@@ -47,6 +45,6 @@ if mode in ("mismatch", "usr1"):
         pass
 elif mode == "gil":
     if r == 1:
-        spin_in_c(2.0)
+        spin_in_c()
     hvd.allreduce(x, name="after")                        # WAIT-AFTER
 print(f"stall_stacks OK {r}", flush=True)
