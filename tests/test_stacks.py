@@ -143,6 +143,24 @@ def test_a_rank_whose_host_lacks_the_stacks_directory_answers_from_c_through_its
     assert not os.path.exists(dump_file)
 
 
+def test_an_elastic_renumbering_starts_a_new_watcher_and_ends_the_old_one(tmp_path):
+    """hvd.init() again (an elastic reset) as the same rank keeps the watcher; as another
+    rank (renumbered) it replaces it, and the old one ends with its dump file."""
+    code = f"""
+import os, psutil
+from hvd_magic.stacks import dump
+dump.install(1); w1 = dump._state["watcher"]
+dump.install(1); assert dump._state["watcher"] is w1
+dump.install(0); w0 = dump._state["watcher"]
+assert w0 is not w1 and w1.poll() is not None
+print([c.cmdline()[-4] for c in psutil.Process().children()])
+"""
+    env = dict(os.environ, HVD_MAGIC_STACKS_DIR=str(tmp_path / "on-the-gatherer-s-host"))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "['0']", out
+
+
 def test_a_pool_log_gives_the_marked_answers_written_after_the_question(tmp_path):
     """What a notebook's pool reads from its mpiexec log: answers after ``offset`` only, a
     rank's answer that is still being written counts once it ends, a silent rank is left out

@@ -196,8 +196,12 @@ def _stop_watcher() -> None:
         pass
     os.close(_state.pop("wakeup"))
     _state.pop("held").close()
-    _state.pop("watcher").wait(2)
+    proc = _state.pop("watcher")
     _state.pop("watcher_rank", None)
+    try:
+        proc.wait(2)
+    except Exception:  # noqa: BLE001 - it hangs: it must not outlive its rank's runtime
+        proc.kill()
 
 
 def _answer(signum: int, frame) -> None:
