@@ -50,12 +50,12 @@ SIGNAL_HELD = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else None
 #: How a rank on another host than hvdrun's marks each line of its stacks on stderr; the
 #: last line (after the mark) is END.
 FRAME = "[hvd_magic stacks of rank {rank}] "
-#: What the Python handler of a rank with a :mod:`.watch` process writes into Python's signal
-#: wake-up pipe once it has answered (signal numbers are below it).
-ANSWERED = 0xFF
 END = "end of stacks: pid {pid} host {host} main {main}"
 _FRAMED = re.compile(r"\[hvd_magic stacks of rank (\d+)\] (.*)$")
 _END = re.compile(r"end of stacks: pid (\d+) host (\S+) main (\d+)$")
+#: What the Python handler of a rank with a :mod:`.watch` process writes into Python's signal
+#: wake-up pipe once it has answered (signal numbers are below it).
+ANSWERED = 0xFF
 
 
 #: Seconds :func:`gather` waits for a rank's answer to SIGNAL before it sends SIGNAL_HELD.
@@ -175,7 +175,7 @@ def _spawn_watcher(rank: int) -> bool:
             [sys.executable, "-m", "hvd_magic.stacks.watch", str(r), str(rank),
              str(os.getpid()), str(threading.main_thread().ident), path],
             pass_fds=(r,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            start_new_session=True)
+            start_new_session=True)     # (signals to the rank's group are the rank's)
     except OSError:
         signal.set_wakeup_fd(-1)
         os.close(w)
@@ -377,7 +377,8 @@ def _read_pid(d: str, rank: int) -> Optional[tuple]:
         return None
 
 
-def _size(path: str) -> int:
+def file_size(path: str) -> int:
+    """``path``'s size in bytes, 0 when it is not there."""
     try:
         return os.path.getsize(path)
     except OSError:
@@ -411,7 +412,7 @@ def gather(d: Optional[str], ranks: Sequence[int], timeout: float = TIMEOUT,
             out[r].missing = f"no stack: it runs on {rhost}, not on {host}"
             continue
         path = os.path.join(d, f"{r}.stack")
-        offset = _size(path)
+        offset = file_size(path)
         try:
             os.kill(pid, SIGNAL)
         except OSError as exc:
@@ -435,7 +436,7 @@ def gather(d: Optional[str], ranks: Sequence[int], timeout: float = TIMEOUT,
                     except OSError:
                         pass
         for r, (path, offset) in list(asked.items()):
-            size = _size(path)
+            size = file_size(path)
             if size > offset:
                 seen = grown.get(r)
                 if seen is None or seen[0] != size:

@@ -23,19 +23,13 @@ import socket
 import sys
 import time
 
-from .dump import ANSWER_S, ANSWERED, END, FRAME, SETTLE_S, SIGNAL, SIGNAL_HELD, TIMEOUT
-
-
-def _size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
+from .dump import (ANSWER_S, ANSWERED, END, FRAME, SETTLE_S, SIGNAL, SIGNAL_HELD, TIMEOUT,
+                   file_size)
 
 
 def _dump_from_c(pid: int, path: str) -> str:
     """Send SIGNAL_HELD to ``pid`` and return what its handler appends to ``path``."""
-    offset = _size(path)
+    offset = file_size(path)
     try:
         os.kill(pid, SIGNAL_HELD)
     except OSError:
@@ -44,7 +38,7 @@ def _dump_from_c(pid: int, path: str) -> str:
     last, since = offset, time.monotonic()
     while time.monotonic() < deadline:
         time.sleep(0.02)
-        size = _size(path)
+        size = file_size(path)
         if size != last:
             last, since = size, time.monotonic()
         elif size > offset and time.monotonic() - since >= SETTLE_S:
@@ -82,6 +76,7 @@ def main(argv: list) -> int:
     fd, rank, pid, main_ident, path = argv
     # Signals the launcher forwards to the rank's process group are the rank's to handle
     # (PRRTE sends SIGUSR2 to the whole group; its default action would end this process).
+    # The watcher runs in a session of its own, so this only guards a signal sent to it.
     for sig in (signal.SIGINT, SIGNAL, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
     try:
