@@ -670,3 +670,26 @@ def test_lower_autogroup_priority_only_raises_and_reports(tmp_path):
     assert lower_autogroup_priority(3, str(f)) == 5          # never raises priority
     assert f.read_text() == "/autogroup-12 nice 5\n"
     assert lower_autogroup_priority(19, str(tmp_path / "missing")) is None
+
+
+def test_the_panel_keeps_the_pools_notes_and_replaces_only_its_progress():
+    """A pool's start as the panel shows it: progress lines replace each other, while the
+    lines a user reads afterwards (where the ranks run, notes, ready) all stay."""
+    pytest.importorskip("ipywidgets")
+    pytest.importorskip("jupyter_bokeh")
+    from hvd_magic.widgets import panel as S
+
+    panel = S.WidgetSink(ranks=[0, 1])
+    try:
+        for line in ["hvd: starting 2 ranks on local Ray ...",
+                     "hvd: starting 2 ranks ... 1/2 ready (3.0 s)",
+                     "hvd: starting 2 ranks ... 2/2 ready (3.4 s)",
+                     "hvd: local Ray, 1 node; 2 ranks on 1: node vm (10.0.0.1): ranks 0,1",
+                     "hvd: note: something to know", "hvd: 2 ranks ready in 3.5 s"]:
+            panel.status(line)
+        shown = panel.status_w.value
+        assert "starting" not in shown, shown
+        assert all(t in shown for t in ("local Ray, 1 node", "note: something to know",
+                                        "2 ranks ready in 3.5 s")), shown
+    finally:
+        panel.finalize()

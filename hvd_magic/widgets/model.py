@@ -236,7 +236,9 @@ class CellState:
         self.single_rate = single_rate
         self.stall_after_s = stall_after_s
         self.window = window
-        self.notes: List[str] = []         # pool status lines ("starting 2 ranks ...")
+        # The pool's status lines this cell: its start, notes, restarts; a progress line
+        # ("starting 2 ranks ... 1/2 ready") is replaced by the next one
+        self.notes: List[str] = []
         self.stall_lines: List[str] = []   # stall warnings the runtime printed
         self.failures: Dict[int, str] = {}
         self.autotune: Optional[Dict[str, Any]] = None   # HOROVOD_AUTOTUNE's setting, from rank 0

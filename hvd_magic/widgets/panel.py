@@ -179,8 +179,12 @@ class WidgetSink:
     def status(self, text: str) -> None:
         with self.lock:
             self._changed = True
-            self.cell.notes.append(text.rstrip())
-            self.status_w.value = f"<span style='color:#666;font-size:12px'>{_esc(text)}</span>"
+            notes = self.cell.notes
+            if notes and " ..." in notes[-1]:
+                notes.pop()         # progress ("starting 2 ranks ... 1/2 ready"): replaced
+            notes.append(text.rstrip())
+            self.status_w.value = "<br>".join(
+                f"<span style='color:#666;font-size:12px'>{_esc(t)}</span>" for t in notes)
 
     def stream(self, rank: int, name: str, text: str) -> None:
         with self.lock:
