@@ -39,8 +39,9 @@ def _grouped(tensors: Sequence[Any], name: Optional[str], op: Any, prescale: flo
     base = request_name("grouped_allreduce", name, eng)
     groups: dict[tuple, list[int]] = {}
     first = tensors[0] if tensors else None
-    if (type(first) is np.ndarray and set(map(type, tensors)) == {np.ndarray}
-            and len(set(map(_DTYPE_OF, tensors))) == 1):
+    single_dtype = (type(first) is np.ndarray and set(map(type, tensors)) == {np.ndarray}
+                    and len(set(map(_DTYPE_OF, tensors))) == 1)
+    if single_dtype:
         # the common case (numpy arrays of one dtype): one check, not one per tensor
         dtype, _, _ = check_tensor(first, "grouped_allreduce")
         groups[(dtype, "cpu", False)] = list(range(len(tensors)))
@@ -67,22 +68,21 @@ def _grouped(tensors: Sequence[Any], name: Optional[str], op: Any, prescale: flo
         flat_1d = set(map(_NDIM_OF, members)) == {1}
         shapes = None if flat_1d else list(map(_SHAPE_OF, members))
         if not is_t:
-            # axis=None flattens each input inside numpy (no reshape call per tensor)
-            flat = np.concatenate(members, axis=None)
+            flat = _pack(members, single_dtype)
             if not flat.dtype.isnative:
                 flat = flat.astype(flat.dtype.newbyteorder("="))
             ends = list(itertools.accumulate(map(_SIZE_OF, members)))
         else:
             flat = np.concatenate([ops.as_numpy(t).reshape(-1) for t in members])
             ends = list(itertools.accumulate(map(_NUMEL_OF, members)))
-        bounds = list(zip([0] + ends[:-1], ends))
+        starts = [0, *ends]       # (zip stops at the shorter: one more start is harmless)
 
         def split(result: Any, _extra: Any, members=members, shapes=shapes, dtype=dtype,
-                  is_t=is_t, bounds=bounds, flat_1d=flat_1d) -> list:
+                  is_t=is_t, starts=starts, ends=ends, flat_1d=flat_1d) -> list:
             if not is_t and not inplace:
                 if flat_1d:    # the usual gradients: the slices already have their shapes
-                    return [result[a:b] for a, b in bounds]
-                return [result[a:b].reshape(sh) for (a, b), sh in zip(bounds, shapes)]
+                    return [result[a:b] for a, b in zip(starts, ends)]
+                return [result[a:b].reshape(sh) for a, b, sh in zip(starts, ends, shapes)]
             if shapes is None:
                 shapes = list(map(_SHAPE_OF, members))
             pieces, off = [], 0
@@ -114,6 +114,19 @@ def _grouped(tensors: Sequence[Any], name: Optional[str], op: Any, prescale: flo
                 return GroupHandle([(_Then(res, split), idxs)], len(tensors))
         parts.append((eng.submit(ann, flat, out=flat, post=split, urgent=urgent), idxs))
     return GroupHandle(parts, len(tensors))
+
+
+def _pack(arrays: list, one_dtype: bool) -> np.ndarray:
+    """The arrays' elements one after another, in a new writable 1-D array. Arrays of one
+    dtype, all C-contiguous, are joined as bytes: 6 us for 100 x 4 KiB where np.concatenate
+    takes 16 (its cost goes per input array). Otherwise (or when some array has no flat
+    buffer to join) np.concatenate, which flattens each input in C order as well."""
+    if one_dtype:
+        try:
+            return np.frombuffer(bytearray().join(arrays), arrays[0].dtype)
+        except TypeError:       # an array that is not C-contiguous exports no flat buffer
+            pass
+    return np.concatenate(arrays, axis=None)
 
 
 class _Then:

@@ -395,6 +395,23 @@ def run_all():
         if hvd.grouped_allreduce([], name=NAME + "grouped empty") != []:
             fail("grouped_allreduce([]) is not []")
 
+    @case("grouped one dtype, not contiguous, big-endian")
+    def _():
+        # numpy arrays of one dtype are packed as bytes when every one is C-contiguous;
+        # a transposed or strided member, or big-endian ones, take the general path
+        s = sum(range(n))
+        base = np.arange(12, dtype=np.float32).reshape(3, 4) * (r + 1)
+        want = np.arange(12, dtype=np.float32).reshape(3, 4) * sum(range(1, n + 1))
+        for label, xs, refs in [
+                ("contiguous", [base.copy(), np.full(5, r, np.float32)], [want, np.full(5, s)]),
+                ("transposed", [base.T, np.full(5, r, np.float32)], [want.T, np.full(5, s)]),
+                ("strided", [np.full(5, r, np.float32), base[:, ::2]], [np.full(5, s), want[:, ::2]]),
+                ("big-endian", [np.full(3, r, ">f4"), base.astype(">f4")], [np.full(3, s), want])]:
+            got = hvd.grouped_allreduce(xs, name=NAME + "grouped " + label, op=hvd.Sum)
+            for i, (g, ref) in enumerate(zip(got, refs)):
+                if g.shape != ref.shape or not np.allclose(g, ref):
+                    fail(f"grouped {label} {i}: {g} != {ref}")
+
     @case("big-endian numpy")
     def _():
         for size in (4, 3000):
