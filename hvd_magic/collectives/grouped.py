@@ -6,7 +6,6 @@ are negotiated in the same cycle. The results are those of the single op on each
 from __future__ import annotations
 
 import itertools
-import math
 import operator
 import time
 from typing import Any, Optional, Sequence
@@ -27,6 +26,7 @@ _SHAPE_OF = operator.attrgetter("shape")
 _SIZE_OF = operator.attrgetter("size")
 _NDIM_OF = operator.attrgetter("ndim")
 _NUMEL_OF = operator.methodcaller("numel")     # torch tensors
+_IS_CPU = operator.attrgetter("is_cpu")
 
 
 def _grouped(tensors: Sequence[Any], name: Optional[str], op: Any, prescale: float,
@@ -39,12 +39,17 @@ def _grouped(tensors: Sequence[Any], name: Optional[str], op: Any, prescale: flo
     base = request_name("grouped_allreduce", name, eng)
     groups: dict[tuple, list[int]] = {}
     first = tensors[0] if tensors else None
-    single_dtype = (type(first) is np.ndarray and set(map(type, tensors)) == {np.ndarray}
-                    and len(set(map(_DTYPE_OF, tensors))) == 1)
+    types = set(map(type, tensors))
+    single_dtype = (types == {np.ndarray} and len(set(map(_DTYPE_OF, tensors))) == 1)
     if single_dtype:
         # the common case (numpy arrays of one dtype): one check, not one per tensor
         dtype, _, _ = check_tensor(first, "grouped_allreduce")
         groups[(dtype, "cpu", False)] = list(range(len(tensors)))
+    elif (types and all(map(ops.is_torch_type, types)) and len(set(map(_DTYPE_OF, tensors))) == 1
+            and set(map(_IS_CPU, tensors)) == {True}):
+        # CPU torch tensors of one dtype (a model's gradients): likewise
+        dtype, _, _ = check_tensor(first, "grouped_allreduce")
+        groups[(dtype, "cpu", True)] = list(range(len(tensors)))
     else:
         for i, t in enumerate(tensors):
             dtype, _, device = check_tensor(t, "grouped_allreduce")
@@ -73,31 +78,30 @@ def _grouped(tensors: Sequence[Any], name: Optional[str], op: Any, prescale: flo
                 flat = flat.astype(flat.dtype.newbyteorder("="))
             ends = list(itertools.accumulate(map(_SIZE_OF, members)))
         else:
-            flat = np.concatenate([ops.as_numpy(t).reshape(-1) for t in members])
+            flat = ops.flatten_torch(members, flat_1d)
             ends = list(itertools.accumulate(map(_NUMEL_OF, members)))
         starts = [0, *ends]       # (zip stops at the shorter: one more start is harmless)
 
         def split(result: Any, _extra: Any, members=members, shapes=shapes, dtype=dtype,
                   is_t=is_t, starts=starts, ends=ends, flat_1d=flat_1d) -> list:
-            if not is_t and not inplace:
-                if flat_1d:    # the usual gradients: the slices already have their shapes
-                    return [result[a:b] for a, b in zip(starts, ends)]
-                return [result[a:b].reshape(sh) for a, b, sh in zip(starts, ends, shapes)]
-            if shapes is None:
-                shapes = list(map(_SHAPE_OF, members))
-            pieces, off = [], 0
-            for t, shape in zip(members, shapes):
-                n = math.prod(shape)
-                piece = result[off:off + n].reshape(shape)
-                off += n
-                if inplace:
-                    if ops.is_torch(t):
-                        t.copy_(ops.wrap_like(np.ascontiguousarray(piece).reshape(shape), dtype, t))
-                    else:
-                        np.copyto(t, piece, casting="unsafe")
-                    pieces.append(t)
-                else:
-                    pieces.append(ops.wrap_like(piece, dtype, t))
+            if is_t and inplace:
+                # torch views of the result, one torch call for them all, copied in
+                views = ops.wrap_like(result, dtype, members[0]).split(
+                    [b - a for a, b in zip(starts, ends)])
+                for t, v in zip(members, views):
+                    t.copy_(v if flat_1d else v.view(t.shape))
+                return list(members)
+            if flat_1d:        # the usual gradients: the slices already have their shapes
+                pieces = [result[a:b] for a, b in zip(starts, ends)]
+            else:
+                pieces = [result[a:b].reshape(sh) for a, b, sh in
+                          zip(starts, ends, shapes or map(_SHAPE_OF, members))]
+            if is_t:           # (tensors of their own, not torch views: autograd's outputs)
+                return ops.torch_from_numpy(pieces, dtype)
+            if inplace:
+                for t, piece in zip(members, pieces):
+                    np.copyto(t, piece, casting="unsafe")
+                return list(members)
             return pieces
 
         op_ = ops.to_op(op)

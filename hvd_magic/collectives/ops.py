@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import sys
 import warnings
-from typing import Any, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -77,6 +77,12 @@ def is_torch(x: Any) -> bool:
     return t is not None and isinstance(x, t.Tensor)
 
 
+def is_torch_type(tp: type) -> bool:
+    """Whether ``tp`` is torch.Tensor or a subclass of it (torch.nn.Parameter)."""
+    t = _torch()
+    return t is not None and issubclass(tp, t.Tensor)
+
+
 _NP_NAMES = {np.dtype(n): n for n in DTYPES if n != "bfloat16"}
 
 
@@ -137,6 +143,24 @@ def as_numpy(x: Any) -> np.ndarray:
     if not a.dtype.isnative:   # big-endian input: every path reads the bytes as native
         a = a.astype(a.dtype.newbyteorder("="))
     return a if a.ndim == x.ndim else a.reshape(x.shape)   # ascontiguousarray makes 0-d 1-d
+
+
+def flatten_torch(tensors: Sequence[Any], flat_1d: bool) -> np.ndarray:
+    """The elements of CPU torch tensors of one dtype one after another, as one new numpy
+    array (bfloat16 as int16 bits): one ``torch.cat`` instead of a numpy view per tensor."""
+    torch = _torch()
+    with torch.no_grad():
+        flat = torch.cat(tensors if flat_1d else [t.reshape(-1) for t in tensors])
+    return as_numpy(flat)
+
+
+def torch_from_numpy(arrays: Iterable[np.ndarray], dtype: str) -> list:
+    """CPU torch tensors sharing the memory of numpy ``arrays`` that carry ``dtype``."""
+    torch = _torch()
+    out = list(map(torch.from_numpy, arrays))
+    if dtype == "bfloat16":
+        out = [t.view(torch.bfloat16) for t in out]
+    return out
 
 
 def np_dtype(name: str) -> np.dtype:

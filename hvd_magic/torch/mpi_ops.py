@@ -18,6 +18,7 @@ The in-place twins (``allreduce_``, ``broadcast_``, ``*_async_``) are not differ
 """
 from __future__ import annotations
 
+import operator
 from typing import Any, Optional, Sequence
 
 import torch
@@ -33,6 +34,7 @@ from .sparse import SparseHandle, sparse_allreduce_async
 
 
 _op = resolve_op   # Horovod's average=/op= rule, shared by the faces
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def _tensor(x: Any, fn: str) -> torch.Tensor:
@@ -267,6 +269,14 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] =
         rank 1: grouped_allreduce([torch.ones(2), torch.ones(1)], op=hvd.Sum)  -> [tensor([2., 2.]), tensor([1.])]
     """
     op = _op(average, op, "grouped_allreduce")
+    if compression is Compression.none:
+        ts = [_tensor(t, "grouped_allreduce") for t in tensors]
+        if not (torch.is_grad_enabled() and any(map(_REQUIRES_GRAD, ts))):
+            # nothing to differentiate (gradients themselves): no autograd node to build
+            return C.grouped_allreduce(ts, name=name, op=op, prescale_factor=prescale_factor,
+                                       postscale_factor=postscale_factor, process_set=process_set)
+        return list(_GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor,
+                                            process_set, *ts))
     pairs = [compression.compress(_tensor(t, "grouped_allreduce")) for t in tensors]
     outs = _GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor, process_set,
                                    *[p[0] for p in pairs])

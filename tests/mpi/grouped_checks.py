@@ -228,4 +228,45 @@ def _():
                  ValueError, "Average")
 
 
+
+@check("torch grouped_allreduce values, outputs, gradients, in place")
+def _():
+    tri = N * (N + 1) / 2
+    shapes = [(3,), (2, 4), (), (5,)]
+    xs = [torch.arange(float(torch.Size(sh).numel())).reshape(sh) * (R + 1) for sh in shapes]
+    wants = [torch.arange(float(torch.Size(sh).numel())).reshape(sh) * tri for sh in shapes]
+    outs = hvd.grouped_allreduce(xs, name="tga.sum", op=hvd.Sum)
+    for i, (o, w) in enumerate(zip(outs, wants)):
+        close(f"torch grouped_allreduce {i}", o, w)
+        if not isinstance(o, torch.Tensor) or o.shape != w.shape or o.requires_grad:
+            FAILS.append(f"torch grouped_allreduce {i}: {type(o).__name__} {tuple(o.shape)}")
+    # each output is a tensor of its own: changing one in place leaves the others
+    outs[0].mul_(0)
+    close("torch grouped_allreduce outputs apart", outs[1], wants[1])
+    # gradients of the average: the average of the upstream gradients (Horovod's rule)
+    ps = [x.clone().requires_grad_() for x in xs]
+    ys = hvd.grouped_allreduce(ps, name="tga.grad")
+    if not all(y.requires_grad for y in ys):
+        FAILS.append("torch grouped_allreduce of tensors that require grad: outputs do not")
+    sum((y * (R + 1)).sum() for y in ys).backward()
+    for i, (pp, sh) in enumerate(zip(ps, shapes)):
+        close(f"torch grouped_allreduce grad {i}", pp.grad, torch.full(sh, tri / N))
+    # fp16 compression, bfloat16, in place (a transposed member included)
+    half = hvd.grouped_allreduce(xs, name="tga.fp16", op=hvd.Sum,
+                                 compression=hvd.Compression.fp16)
+    for i, (o, w) in enumerate(zip(half, wants)):
+        close(f"torch grouped_allreduce fp16 {i}", o, w, 1e-2)
+    bf = hvd.grouped_allreduce([x.to(torch.bfloat16) for x in xs], name="tga.bf16", op=hvd.Sum)
+    for i, (o, w) in enumerate(zip(bf, wants)):
+        if o.dtype != torch.bfloat16:
+            FAILS.append(f"torch grouped_allreduce bfloat16 {i}: {o.dtype}")
+        close(f"torch grouped_allreduce bfloat16 {i}", o.float(), w, 0.5)
+    ins = [x.clone() for x in xs] + [torch.full((3, 2), float(R)).t()]
+    ret = hvd.grouped_allreduce_(ins, name="tga.inplace", op=hvd.Sum)
+    for i, (t, w) in enumerate(zip(ins, wants + [torch.full((2, 3), tri - N)])):
+        if ret[i] is not t:
+            FAILS.append(f"torch grouped_allreduce_ {i}: result is not the input")
+        close(f"torch grouped_allreduce_ {i}", t, w)
+
+
 finish(hvd)
