@@ -140,14 +140,19 @@ class WidgetSink:
         load_bokeh()
         from bokeh.models import ColumnDataSource, HoverTool
         from bokeh.plotting import figure
+        from bokeh.transform import factor_cmap
         from jupyter_bokeh import BokehModel
         self.source = ColumnDataSource(dict(left=[], right=[], bottom=[], top=[], rank=[],
-                                            phase=[], group=[], color=[], label=[], ms=[]))
+                                            phase=[], group=[], label=[], ms=[]))
         p = figure(height=230, sizing_mode="stretch_width",
                    tools="xpan,xwheel_zoom,box_zoom,reset,save",
                    active_drag="xpan", active_scroll="xwheel_zoom",
                    x_axis_label="seconds since the cell started", toolbar_location="above")
-        p.quad(left="left", right="right", bottom="bottom", top="top", color="color",
+        # each row's colour from its group, mapped in the browser (one string column less
+        # in every streamed batch of rows)
+        colour = factor_cmap("group", palette=list(GROUP_COLOR.values()),
+                             factors=list(GROUP_COLOR))
+        p.quad(left="left", right="right", bottom="bottom", top="top", color=colour,
                legend_field="group", source=self.source, line_color=None)
         p.add_tools(HoverTool(tooltips=[("rank", "@rank"), ("phase", "@phase"),
                                         ("tensors", "@label"), ("ms", "@ms{0.000}")]))
@@ -310,7 +315,6 @@ class WidgetSink:
             "left": (start - t0) / 1e6, "right": (end - t0) / 1e6,
             "bottom": ranks - half, "top": ranks + half, "rank": ranks,
             "phase": np.array(phases, dtype=str), "group": np.array(groups, dtype=str),
-            "color": np.array([GROUP_COLOR[g] for g in groups], dtype=str),
             "label": np.array([s[3] for _r, s in rows], dtype=str),
             "ms": (end - start) / 1e3}
         self.source.stream(new, rollover=self.rollover)
