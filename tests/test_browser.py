@@ -255,12 +255,18 @@ def test_predicted_beside_measured_in_jupyterlab(tmp_path, pool):
             out = page.locator(".jp-OutputArea-output").all_inner_texts()
             assert any("local Ray, 1 node" in t for t in out), out
         assert not [e for e in errors if "bokeh" in e.lower()], errors
-        # the last cell, %hvd stop: done when its prompt has a number
+        # the last cell, %hvd stop: done when no prompt is busy; then, with the kernel still
+        # up, none of the Ray processes the pool started is left
         deadline = time.time() + 60
         while page.locator(".jp-InputPrompt:has-text('[*]')").count() and time.time() < deadline:
             time.sleep(0.3)
-    left = [p for p in psutil.process_iter() if _is_ray(p) and p.pid not in ray_before]
-    assert left == [], left
+        deadline = time.time() + 10
+        while True:
+            left = [p for p in psutil.process_iter() if _is_ray(p) and p.pid not in ray_before]
+            if not left or time.time() > deadline:
+                break
+            time.sleep(0.3)
+        assert left == [], left
 
 
 def _is_ray(proc) -> bool:
