@@ -236,8 +236,8 @@ class CellState:
         self.single_rate = single_rate
         self.stall_after_s = stall_after_s
         self.window = window
-        # The pool's status lines this cell: its start, notes, restarts; a progress line
-        # ("starting 2 ranks ... 1/2 ready") is replaced by the next one
+        # The pool's status lines this cell: its start, notes, restarts (a progress line,
+        # output.is_progress, is replaced by the next one)
         self.notes: List[str] = []
         self.stall_lines: List[str] = []   # stall warnings the runtime printed
         self.failures: Dict[int, str] = {}

@@ -9,7 +9,7 @@ import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from .. import config
-from ..kernel.notebook.output import PoolCellError
+from ..kernel.notebook.output import PoolCellError, is_progress
 from .html import badge_html, banner_html, metrics_html, snapshot_html
 from .model import GROUP_COLOR, RESET_COLOR, STALLED, STATUS_TEXT, CellState, phase_group
 from .session import save_trace, session
@@ -185,8 +185,8 @@ class WidgetSink:
         with self.lock:
             self._changed = True
             notes = self.cell.notes
-            if notes and " ..." in notes[-1]:
-                notes.pop()         # progress ("starting 2 ranks ... 1/2 ready"): replaced
+            if notes and is_progress(notes[-1]):
+                notes.pop()         # superseded by this line
             notes.append(text.rstrip())
             self.status_w.value = "<br>".join(
                 f"<span style='color:#666;font-size:12px'>{_esc(t)}</span>" for t in notes)

@@ -20,11 +20,20 @@ def strip_ansi(text: str) -> str:
     return _ANSI.sub("", text)
 
 
+def is_progress(status: str) -> bool:
+    """Whether a status line reports progress that its next line supersedes: the pool
+    writes those with " ..." ("hvd: starting 2 ranks ... 1/2 ready (0.4 s)", "hvd: growing
+    the pool from 2 to 3 ranks ..."); its other lines (where the ranks run, ready, notes)
+    stay worth reading."""
+    return " ..." in status
+
+
 class OutputSink(Protocol):
     """Receives a pool cell's output as it happens (all calls from the kernel's main thread)."""
 
     def status(self, text: str) -> None:
-        """A note about the pool: starting (progress), ready, restarted, interrupted."""
+        """A note about the pool: starting (progress, see :func:`is_progress`), ready,
+        restarted, interrupted."""
 
     def stream(self, rank: int, name: str, text: str) -> None:
         """A piece of ``stdout``/``stderr`` (``name``) from ``rank``; not line-aligned."""
