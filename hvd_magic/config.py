@@ -183,16 +183,13 @@ _VARS = [
         "%autohvd options that every cell runs with (the hvd_magic Jupyter kernel sets it)"),
     # -- the live panel
     Var("HVD_MAGIC_WIDGETS", "bool", True, "0: text output instead of the live panel"),
-    Var("HVD_MAGIC_TELEMETRY_INTERVAL", "float", 0.25,
+    Var("HVD_MAGIC_TELEMETRY_INTERVAL", "float", 0.5,
         "seconds between the ranks' telemetry batches while a live cell runs"),
-    Var("HVD_MAGIC_TELEMETRY_MAX_SPANS", "int", 200,
-        "timeline spans per telemetry batch (the newest); 0: all"),
+    Var("HVD_MAGIC_TELEMETRY_MAX_SPANS", "int", 50,
+        "timeline spans per telemetry batch (the newest; with the interval's 0.5 s, about "
+        "one span per pixel of the live timeline's 10 s window); 0: all"),
     Var("HVD_MAGIC_RENDER_THREAD", "bool", True,
         "0: live panels redraw on the kernel's main thread instead of a background thread"),
-    Var("HVD_MAGIC_KERNEL_NICE", "int", 0,
-        "Linux: when the first live panel starts, raise the kernel's scheduler autogroup "
-        "nice value to this (0-19) so drawing yields to the ranks; lasts for the kernel's "
-        "life (it cannot be lowered again without CAP_SYS_NICE); 0: leave it"),
     Var("HVD_MAGIC_KEEP_BOKEHJS", "bool", False,
         "1: keep BokehJS (about 8 MB) in the saved notebook instead of dropping it once "
         "loaded"),

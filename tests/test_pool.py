@@ -190,6 +190,11 @@ def test_pool_sockets_files_and_clean_stop(manager, capsys):
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     assert stat.S_IMODE(os.stat(pool.config.workdir).st_mode) == 0o700
     assert sorted(pool.pids) == [0, 1]
+    # the ranks run in this (the kernel's) session, so the scheduler weighs them with the
+    # kernel's threads and the live panel's low-priority redraw yields to them; in process
+    # groups of their own, so an interrupt sent to the kernel's group does not reach them
+    for pid in [pool.mpiexec.pid, pool.controller.pid, *pool.pids.values()]:
+        assert os.getsid(pid) == os.getsid(0) and os.getpgid(pid) != os.getpgid(0), pid
     out = pool.run_cell("import hvd_magic.collectives as hvd\nhvd.rank(), hvd.size()", TextSink())
     assert out.results[1]["text/plain"] == "(1, 2)"
     workdir = pool.config.workdir

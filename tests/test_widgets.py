@@ -624,54 +624,6 @@ def test_a_running_panel_redraws_only_when_something_changed():
         panel.finalize()
 
 
-def test_live_panels_lower_the_kernels_autogroup_priority():
-    """The renderer lowers the kernel's scheduler autogroup (Linux; the ranks run in their
-    own session, and Linux shares the CPU between sessions before it looks at thread nice
-    values), once, to HVD_MAGIC_KERNEL_NICE; 0 leaves it alone. In a child process with a
-    session of its own, as a Jupyter kernel has; a process that does not lead its session
-    leaves the group alone."""
-    import subprocess
-    import sys
-    if not os.path.exists("/proc/self/autogroup"):
-        pytest.skip("no scheduler autogroups on this system")
-    code = ("import time\n"
-            "from hvd_magic.widgets.render import _Renderer\n"
-            "class P:\n"
-            "    feed = None\n"
-            "    def tick(self): pass\n"
-            "r = _Renderer(); r.add(P())\n"
-            "deadline = time.monotonic() + 5\n"
-            "while r.group_nice is None and not r.niced and time.monotonic() < deadline:\n"
-            "    time.sleep(0.01)\n"
-            "time.sleep(0.1)\n"
-            "print('GROUP', r.group_nice, open('/proc/self/autogroup').read().strip())\n")
-    for value, want in (("19", 19), ("0", 0), ("7", 7)):
-        env = dict(os.environ, HVD_MAGIC_KERNEL_NICE=value)
-        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                              text=True, timeout=60, start_new_session=True)
-        assert proc.returncode == 0, proc.stderr
-        line = proc.stdout.split("GROUP", 1)[1]
-        assert line.strip().endswith(f"nice {want}"), (value, line)
-        assert line.split()[0] == (str(want) if want else "None"), (value, line)
-    # not a session leader (an IPython started from a shell): the group is the shell's, and
-    # stays as it is
-    ours = open("/proc/self/autogroup").read().strip()
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60, env=dict(os.environ, HVD_MAGIC_KERNEL_NICE="19"))
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split("GROUP", 1)[1].split()[0] == "None", proc.stdout
-    assert open("/proc/self/autogroup").read().strip() == ours
-
-
-def test_lower_autogroup_priority_only_raises_and_reports(tmp_path):
-    from hvd_magic.widgets.render import lower_autogroup_priority
-    f = tmp_path / "autogroup"
-    f.write_text("/autogroup-12 nice 5\n")
-    assert lower_autogroup_priority(3, str(f)) == 5          # never raises priority
-    assert f.read_text() == "/autogroup-12 nice 5\n"
-    assert lower_autogroup_priority(19, str(tmp_path / "missing")) is None
-
-
 def test_the_panel_keeps_the_pools_notes_and_replaces_only_its_progress():
     """A pool's start as the panel shows it: progress lines replace each other, while the
     lines a user reads afterwards (where the ranks run, notes, ready) all stay."""

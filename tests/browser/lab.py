@@ -45,10 +45,7 @@ def jupyter_lab(root: Path, log: Path) -> Iterator[str]:
     token = secrets.token_hex(16)
     port = _free_port()
     exe = str(Path(sys.executable).parent / "jupyter-lab")
-    # HVD_MAGIC_KERNEL_NICE: conftest turns it off for the test process; the kernels here
-    # run in their own sessions, as in real use, so they lower their own priority
-    env = dict(os.environ, JUPYTER_PLATFORM_DIRS="1", PYTHONUNBUFFERED="1",
-               HVD_MAGIC_KERNEL_NICE="19")
+    env = dict(os.environ, JUPYTER_PLATFORM_DIRS="1", PYTHONUNBUFFERED="1")
     argv = [exe, "--no-browser", "--ip=127.0.0.1", f"--port={port}", "--allow-root",
             f"--IdentityProvider.token={token}", "--LabApp.news_url=None",
             "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",

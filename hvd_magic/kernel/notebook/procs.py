@@ -28,17 +28,23 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 def spawn(argv: Sequence[str], env: Mapping[str, str], log_path: str) -> subprocess.Popen:
-    """Start ``argv`` in its own session, output to ``log_path`` (mode 0600).
+    """Start ``argv`` in a process group of its own, output to ``log_path`` (mode 0600).
 
-    On Linux, from the main thread, the child gets SIGTERM when this process dies, so a
-    kernel killed with SIGKILL still takes its pool down.
+    Its own group: a signal to the kernel's group (Jupyter's interrupt) does not reach it,
+    and ``stop_tree`` can signal all of it. The kernel's session, not a new one: Linux
+    shares the CPU between sessions (scheduler autogroups) before it weighs the threads
+    inside them, so a pool in a session of its own let any kernel thread, the live panel's
+    low-priority redraw included, take a core from the ranks at a whole session's weight
+    (2-rank training with the live panel ran at 0.87-0.89 of ``--no-stream``; in one
+    session, benchmarks/widgets.py). On Linux, from the main thread, the child gets SIGTERM
+    when this process dies, so a kernel killed with SIGKILL still takes its pool down.
     """
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
         pdeath = (threading.current_thread() is threading.main_thread()
                   and os.uname().sysname == "Linux")
         return subprocess.Popen(list(argv), env=dict(env), stdin=subprocess.DEVNULL, stdout=fd,
-                                stderr=fd, start_new_session=True,
+                                stderr=fd, process_group=0,
                                 preexec_fn=_die_with_parent if pdeath else None)
     finally:
         os.close(fd)

@@ -33,6 +33,10 @@ from ...collectives.progress import first_report, progress, reset_progress, traf
 
 
 
+#: Seconds into a cell after which the telemetry looks whether the timeline needs sampling.
+PROBE_S = 0.05
+
+
 class _Telemetry:
     def __init__(self, interval: Optional[float] = None) -> None:
         self.interval = config.get("HVD_MAGIC_TELEMETRY_INTERVAL") if interval is None else interval
@@ -132,7 +136,16 @@ class _Telemetry:
         while True:
             self.wake.wait()
             window = self.window
-            if window is None:
+            if window is None and self.sent == 0 and self.max_spans > 0:
+                # A cell's first interval: after PROBE_S, a cell whose events already call
+                # for sampling sends its first batch (which starts the sampling) instead of
+                # recording every event for a whole interval.
+                self.kick.wait(min(PROBE_S, self.interval))
+                if not self.kick.is_set() and self.running and self._busy():
+                    self.send("running")
+                    continue
+                self.kick.wait(max(self.interval - PROBE_S, 0.0))
+            elif window is None:
                 self.kick.wait(self.interval)
             else:
                 self.kick.wait(max(self.interval - window, 0.0))
@@ -190,17 +203,29 @@ class _Telemetry:
                 "elastic": changes, "steps": steps, "allreduce_bytes": nbytes,
                 "host": _HOST}
 
+    def _per_interval(self, n_events: int, covered: float) -> Optional[float]:
+        """Events an interval would bring at the rate of ``n_events`` in ``covered`` s
+        (None: too short to tell, or sampling is off)."""
+        if self.max_spans <= 0 or covered < 0.005:
+            return None
+        return n_events / covered * self.interval
+
+    def _busy(self) -> bool:
+        """Whether the events since the subscription began already call for sampling."""
+        since = self.since
+        rate = None if since is None else self._per_interval(len(self.events), time.time() - since)
+        return rate is not None and rate > 2 * self.max_spans
+
     def _adapt(self, n_events: int, covered: float) -> None:
         """Sample the timeline when it is busy: a cell whose events would fill more than twice
         the spans a batch carries (``HVD_MAGIC_TELEMETRY_MAX_SPANS``) subscribes only for the
         part of each interval that fills them (at least 10 ms). Busy time (the communication
         share) is then measured over those windows, the spans shown are the windows' (each
         marked as a cut), and the runtime does its timeline bookkeeping a fraction of the
-        time. Few events: the
-        subscription stays on the whole cell, every event counts."""
-        if self.max_spans <= 0 or covered < 0.005:
+        time. Few events: the subscription stays on the whole cell, every event counts."""
+        per_interval = self._per_interval(n_events, covered)
+        if per_interval is None:
             return
-        per_interval = n_events / covered * self.interval
         if per_interval > 2 * self.max_spans:
             self.window = min(max(self.interval * self.max_spans / per_interval, 0.01), self.interval)
         elif self.window is not None and per_interval < self.max_spans:
