@@ -427,10 +427,19 @@ def test_two_rank_cell_telemetry_through_text_sink(capsys):
                 "from hvd_magic.widgets import report\nx = np.ones(256, np.float32)\n"
                 "for i in range(120):\n    time.sleep(0.005)\n    hvd.allreduce(x, name='g')\n"
                 "    report(samples=8)\nprint('rank', hvd.rank(), 'done')\n")
-        snk = S.TelemetryTextSink(ranks=[0, 1])
+        class Seen(S.TelemetryTextSink):
+            def ingest(self, batches):
+                self.seen = getattr(self, "seen", []) + list(batches)
+                super().ingest(batches)
+        snk = Seen(ranks=[0, 1])
         pool.run_cell(code, snk)
         cell = snk.cell
         assert snk.batches >= 4
+        # a loop whose events already call for sampling sends its first batch (and starts
+        # sampling) about 50 ms in, not after a whole 0.5 s interval of every event
+        for r in (0, 1):
+            first = min(b["t"] - b["t0"] for b in snk.seen if b["rank"] == r)
+            assert first < 0.3, (r, first)
         spans = cell.track.all_spans()
         assert set(spans) == {0, 1}
         for r in (0, 1):
