@@ -33,11 +33,11 @@ def spawn(argv: Sequence[str], env: Mapping[str, str], log_path: str) -> subproc
     Its own group: a signal to the kernel's group (Jupyter's interrupt) does not reach it,
     and ``stop_tree`` can signal all of it. The kernel's session, not a new one: Linux
     shares the CPU between sessions (scheduler autogroups) before it weighs the threads
-    inside them, so a pool in a session of its own let any kernel thread, the live panel's
-    low-priority redraw included, take a core from the ranks at a whole session's weight
-    (2-rank training with the live panel ran at 0.87-0.89 of ``--no-stream``; in one
-    session, benchmarks/widgets.py). On Linux, from the main thread, the child gets SIGTERM
-    when this process dies, so a kernel killed with SIGKILL still takes its pool down.
+    inside them, so in a session of its own the pool's ranks would lose a core to any
+    kernel thread that wakes, the live panel's low-priority redraw included, at a whole
+    session's weight (benchmarks/widgets.py measures what that costs). On Linux, from the
+    main thread, the child gets SIGTERM when this process dies, so a kernel killed with
+    SIGKILL still takes its pool down.
     """
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
