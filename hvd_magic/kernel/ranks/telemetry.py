@@ -138,13 +138,11 @@ class _Telemetry:
             window = self.window
             if window is None and self.sent == 0 and self.max_spans > 0:
                 # A cell's first interval: after PROBE_S, a cell whose events already call
-                # for sampling sends its first batch (which starts the sampling) instead of
-                # recording every event for a whole interval.
+                # for sampling sends its first batch now (which starts the sampling) instead
+                # of recording every event for a whole interval.
                 self.kick.wait(min(PROBE_S, self.interval))
-                if not self.kick.is_set() and self.running and self._busy():
-                    self.send("running")
-                    continue
-                self.kick.wait(max(self.interval - PROBE_S, 0.0))
+                if self.kick.is_set() or not self._busy():
+                    self.kick.wait(max(self.interval - PROBE_S, 0.0))
             elif window is None:
                 self.kick.wait(self.interval)
             else:
