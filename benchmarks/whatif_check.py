@@ -27,7 +27,13 @@ waiting in MPI yields its core instead of spinning: 4 spinning ranks on 2 cores 
 add milliseconds of scheduling to every message); Open MPI's ring allreduce
 (``coll_tuned_allreduce_algorithm=4``: the algorithm the model describes; its default for
 3 ranks moved about 3.8x the ring's time here); ``HVD_MAGIC_ALLREDUCE_CHUNK_MB=0`` (a
-fusion buffer as one MPI call, as the model counts it).
+fusion buffer as one MPI call, as the model counts it); Open MPI's TCP eager limit raised
+to 4 MiB (``btl_tcp_eager_limit``, ``btl_tcp_rndv_eager_limit``): above the default 64 KiB
+a message waits for the receiver's go-ahead, and that reply travels on the same TCP
+connection behind the receiver's own data for the sender, so on a slow link the two
+directions of a ring step often ran one after the other: a 2-host 4 MB allreduce at
+0.5 Gbit/s took 68, 102 or 134 ms from one call to the next, and with the limit 68-69 ms
+every call. ``--mpi-default-eager`` runs without it.
 
 Needs root, ``ip netns``, a bridge and ``tc``. Latest table: benchmarks/README.md.
 
@@ -55,7 +61,8 @@ GOAL = 0.1
 ENV = {"OMPI_MCA_btl": "self,tcp", "PRTE_MCA_hwloc_default_binding_policy": "none",
        "OMPI_MCA_mpi_yield_when_idle": "1", "OMPI_MCA_coll_tuned_use_dynamic_rules": "1",
        "OMPI_MCA_coll_tuned_allreduce_algorithm": "4", "HVD_MAGIC_ALLREDUCE_CHUNK_MB": "0",
-       "OMP_NUM_THREADS": "1"}
+       "OMP_NUM_THREADS": "1", "OMPI_MCA_btl_tcp_eager_limit": str(4 << 20),
+       "OMPI_MCA_btl_tcp_rndv_eager_limit": str(4 << 20)}
 
 
 # ============================================================== worker (one process per rank)
@@ -232,7 +239,12 @@ def main() -> int:
     p.add_argument("--backward-fractions", default="0,0.5")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--json", default=None)
+    p.add_argument("--mpi-default-eager", action="store_true",
+                   help="Open MPI's own TCP eager limit (64 KiB) instead of 4 MiB")
     ns = p.parse_args()
+    if ns.mpi_default_eager:
+        for key in ("OMPI_MCA_btl_tcp_eager_limit", "OMPI_MCA_btl_tcp_rndv_eager_limit"):
+            ENV.pop(key)
     if ns.worker:
         worker(ns.model_bytes, ns.step_time, ns.backward_fraction, ns.steps)
         return 0

@@ -84,6 +84,33 @@ def test_analyse_flags_version_mismatch_and_predicts():
     assert "2.00 MB of gradients per step" in D.prediction_text(rep.prediction)
 
 
+def test_a_slow_allreduce_across_hosts_gets_the_tcp_eager_advice():
+    """2 hosts whose link ping-pongs at 0.48 Gbit/s and whose allreduce fits 0.24 Gbit/s (as
+    measured on namespace hosts with Open MPI's default eager limit): the report says how to
+    raise it; not when the ranks already have it raised, nor on one host, nor when the
+    allreduce reaches the link."""
+    sizes = [8, 1 << 16, 1 << 20, 4 << 20]
+    pair = {"a": "h0", "b": "h1", "sizes": sizes, "one_way_s": [2e-5 + s / 6e7 for s in sizes]}
+    ar = [1 << 12, 1 << 20, 4 << 20]
+    slow = {"sizes": ar, "times_s": [s / 3e7 for s in ar]}      # ring fit: 30 MB/s
+    fast = {"sizes": ar, "times_s": [s / 6e7 for s in ar]}      # 60 MB/s, the link
+
+    def notes(sweep, eager="", hosts=("h0", "h1")):
+        probe = dict(_probe([_rank(0, hosts[0]), _rank(1, hosts[1])], [pair], sweep),
+                     tcp_eager_limit=eager)
+        return [n for n in D.analyse(probe).notes if "eager" in n]
+
+    (note,) = notes(slow)
+    assert "reached 50% of the slowest link (0.24 Gbit/s of 0.48 Gbit/s)" in note, note
+    assert "OMPI_MCA_btl_tcp_eager_limit=4194304 OMPI_MCA_btl_tcp_rndv_eager_limit=4194304" \
+        in note, note
+    assert "eager" in D.render_text(D.analyse(dict(_probe([_rank(0, "h0"), _rank(1, "h1")],
+                                                          [pair], slow))))
+    assert notes(slow, eager="4194304") == []
+    assert notes(fast) == []
+    assert notes(slow, hosts=("h", "h")) == []
+
+
 def test_analyse_asks_for_both_model_inputs():
     rep = D.analyse(_probe([_rank(0, "h"), _rank(1, "h")]), model_bytes=1e6)
     assert rep.prediction is None and any("--step-time" in n for n in rep.notes)
@@ -196,7 +223,10 @@ def test_doctor_on_two_hosts_with_a_1_gbit_link(shaped_hosts):
     h = shaped_hosts
     # Both "hosts" share this machine's cores: Open MPI's default binding would put each
     # host's rank on core 0 of the same CPU, and they would take turns (4 ms "latency").
-    env = h.env(OMPI_MCA_btl="self,tcp", PRTE_MCA_hwloc_default_binding_policy="none")
+    # With the TCP eager limit the doctor advises, its allreduce reaches the link.
+    env = h.env(OMPI_MCA_btl="self,tcp", PRTE_MCA_hwloc_default_binding_policy="none",
+                OMPI_MCA_btl_tcp_eager_limit="4194304",
+                OMPI_MCA_btl_tcp_rndv_eager_limit="4194304")
     t0 = time.monotonic()
     proc = h.run([PY, "-m", "hvd_magic.runner.doctor_run", "--json", "-np", "2", "-H",
                   h.hosts_arg, "--network-interface", SUBNET, "--model-bytes", "1.96e6",
@@ -216,6 +246,8 @@ def test_doctor_on_two_hosts_with_a_1_gbit_link(shaped_hosts):
     tcp = _tcp_latency(h)
     assert 1e-6 < link["latency"] < tcp * 4, (link["latency"], tcp)
     assert 0 < rep["prediction"]["efficiency"] < 1
+    assert rep["allreduce"]["bandwidth"] > 0.75 * link["bandwidth"], why
+    assert not any("eager" in n for n in rep["notes"]), why
     assert took < 30, took
     print(f"doctor: {link['bandwidth'] * 8 / 1e9:.3f} Gbit/s, latency {link['latency'] * 1e6:.0f}"
           f" us (TCP echo {tcp * 1e6:.0f} us), {took:.1f} s")

@@ -205,10 +205,10 @@ def check():
 def test_prediction_near_the_measured_efficiency_on_2_3_4_hosts(check):
     """The training-like loop of benchmarks/whatif_check.py (sleep for the compute, then 4 MB
     of gradients allreduced through hvd_magic) on 2, 3 and 4 hosts linked at 1 Gbit/s, one
-    rank each: predict() fed what the doctor measured there agrees within 0.1 on average and
-    within 0.2 in each cell. (One cell of a fresh CI run missed 0.1 by 0.04, at 2 hosts where
-    the doctor's fit read 956 us of latency: one launch's noise. The 0.1 target per cell is
-    measured over the full grid by benchmarks/whatif_check.py.)"""
+    rank each: predict() fed what the doctor measured there agrees within 0.1 in each cell
+    (the launch settings of whatif_check.ENV, Open MPI's raised TCP eager limit among them:
+    with its default the allreduce's time changed from call to call, and so did the
+    doctor's fit). The full grid: benchmarks/whatif_check.py."""
     single: dict = {}
     rows = []
     for n in (2, 3, 4):
@@ -220,5 +220,4 @@ def test_prediction_near_the_measured_efficiency_on_2_3_4_hosts(check):
     why = "\n" + check.table(rows)
     for r in rows:
         assert 0 < r["measured"] < 1, why
-        assert r["diff_doctor"] <= 0.2, why
-    assert sum(r["diff_doctor"] for r in rows) / len(rows) <= 0.1, why
+        assert r["diff_doctor"] <= 0.1, why

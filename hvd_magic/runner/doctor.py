@@ -13,15 +13,19 @@ runs MPI. The cost model (docs/doctor.md):
 
 Two allreduce times are given: the ring model on the slowest link (what an ideal ring
 allreduce would take), and the allreduce actually measured at ``n`` ranks, fitted as
-``a + b * bytes`` (what this MPI's own algorithm takes: Open MPI's two-rank allreduce of
-large buffers moved about twice the ring's bytes in the measurements). The prediction uses
-the measured one when there is one.
+``a + b * bytes`` (what this MPI's own algorithm takes). The prediction uses the measured
+one when there is one. When the hosts talk over Open MPI's TCP transport and the allreduce
+reaches well under the link's speed, the report says how to raise Open MPI's TCP eager
+limit (:func:`eager_note`).
 """
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+#: Open MPI's TCP eager limit suggested when a multi-host allreduce is slow (bytes).
+TCP_EAGER_LIMIT = 4 << 20
 
 #: Packages whose versions must agree on every rank.
 PACKAGES = ("hvd_magic", "torch", "tensorflow", "mpi4py", "numpy")
@@ -185,6 +189,9 @@ def analyse(probe: Mapping[str, Any], model_bytes: Optional[float] = None,
     sweep = probe.get("allreduce")
     if sweep and n >= 2 and len(set(sweep["sizes"])) >= 2:
         rep.allreduce = fit_allreduce(sweep["sizes"], sweep["times_s"], n)
+    note = eager_note(rep, probe.get("tcp_eager_limit"))
+    if note:
+        rep.notes.append(note)
     if model_bytes is not None and step_time is not None:
         bw, lat = _bottleneck(rep)
         if bw is not None:
@@ -201,6 +208,37 @@ def analyse(probe: Mapping[str, Any], model_bytes: Optional[float] = None,
         rep.notes.append("a prediction needs both the gradient bytes (--model-bytes or "
                          "--model NAME) and --step-time")
     return rep
+
+
+def eager_note(rep: Report, eager_limit: Optional[str]) -> Optional[str]:
+    """Advice when the allreduce across hosts reaches under 3/4 of the slowest link (its
+    ring-model bandwidth against the ping-pong's) while Open MPI's TCP eager limit
+    (``eager_limit``: the ranks' ``OMPI_MCA_btl_tcp_eager_limit``; unset or empty: Open
+    MPI's 64 KiB) is below :data:`TCP_EAGER_LIMIT`; else None.
+
+    Why it is slow: above the eager limit, a message is sent only after the receiver's
+    go-ahead, and that reply queues on the same TCP connection behind the receiver's own
+    data for the sender, so the two directions of a ring step often run one after the other.
+    """
+    if len(rep.hosts) < 2 or not rep.links or not rep.allreduce:
+        return None
+    try:
+        if eager_limit and int(eager_limit) >= TCP_EAGER_LIMIT:
+            return None
+    except ValueError:
+        pass
+    link = min(k.bandwidth for k in rep.links)
+    got = rep.allreduce["bandwidth"]
+    if got >= 0.75 * link:
+        return None
+    return (f"the allreduce across hosts reached {got / link:.0%} of the slowest link "
+            f"({gbit(got)} of {gbit(link)}). Over TCP, Open MPI sends a message above its "
+            "eager limit (64 KiB) after the receiver's go-ahead, which queues behind the "
+            "receiver's own data on the same connection: try the ranks with "
+            "OMPI_MCA_btl_tcp_eager_limit="
+            f"{TCP_EAGER_LIMIT} OMPI_MCA_btl_tcp_rndv_eager_limit={TCP_EAGER_LIMIT} "
+            "(docs/doctor.md: on 2 hosts at 0.5 Gbit/s it took the allreduce from 0.24 to "
+            "0.47 Gbit/s)")
 
 
 def _bottleneck(rep: Report) -> Tuple[Optional[float], float]:

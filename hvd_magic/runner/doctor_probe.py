@@ -160,7 +160,8 @@ def main() -> int:
             sweep["times_s"].append(t)
     if me == 0:
         record = {"ranks": ranks, "pairs": pairs, "allreduce": sweep,
-                  "mpi_interface": _mpi_interface()}
+                  "mpi_interface": _mpi_interface(),
+                  "tcp_eager_limit": os.environ.get("OMPI_MCA_btl_tcp_eager_limit", "")}
         sys.stdout.write(PREFIX + json.dumps(record) + "\n")
         sys.stdout.flush()
     return 0
