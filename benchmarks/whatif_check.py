@@ -52,6 +52,10 @@ from typing import Dict, List, Optional
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+from hvd_magic.runner.doctor import TCP_EAGER_ENV, predict  # noqa: E402
+from hvd_magic.runner.whatif import Scenario, point  # noqa: E402
+
 PY = sys.executable
 SUBNET = "10.237.0.0/24"
 LAYERS = 8
@@ -61,8 +65,7 @@ GOAL = 0.1
 ENV = {"OMPI_MCA_btl": "self,tcp", "PRTE_MCA_hwloc_default_binding_policy": "none",
        "OMPI_MCA_mpi_yield_when_idle": "1", "OMPI_MCA_coll_tuned_use_dynamic_rules": "1",
        "OMPI_MCA_coll_tuned_allreduce_algorithm": "4", "HVD_MAGIC_ALLREDUCE_CHUNK_MB": "0",
-       "OMP_NUM_THREADS": "1", "OMPI_MCA_btl_tcp_eager_limit": str(4 << 20),
-       "OMPI_MCA_btl_tcp_rndv_eager_limit": str(4 << 20)}
+       "OMP_NUM_THREADS": "1", **TCP_EAGER_ENV}
 
 
 # ============================================================== worker (one process per rank)
@@ -109,9 +112,6 @@ def predicted(n: int, gbit: float, latency_us: float, model_bytes: float, step_s
               backward_fraction: float) -> float:
     """``predict()`` without overlap; with it, the what-if model told that the gradients
     are LAYERS tensors made ready one by one (what the worker does)."""
-    sys.path.insert(0, str(ROOT))
-    from hvd_magic.runner.doctor import predict
-    from hvd_magic.runner.whatif import Scenario, point
     if backward_fraction == 0:
         return predict(n, 1, gbit, latency_us, model_bytes, step_s, backward_fraction=0)
     sc = Scenario(n, 1, gbit, latency_us, model_bytes, step_s,
@@ -243,7 +243,7 @@ def main() -> int:
                    help="Open MPI's own TCP eager limit (64 KiB) instead of 4 MiB")
     ns = p.parse_args()
     if ns.mpi_default_eager:
-        for key in ("OMPI_MCA_btl_tcp_eager_limit", "OMPI_MCA_btl_tcp_rndv_eager_limit"):
+        for key in TCP_EAGER_ENV:
             ENV.pop(key)
     if ns.worker:
         worker(ns.model_bytes, ns.step_time, ns.backward_fraction, ns.steps)

@@ -107,6 +107,8 @@ def test_a_slow_allreduce_across_hosts_gets_the_tcp_eager_advice():
     assert "eager" in D.render_text(D.analyse(dict(_probe([_rank(0, "h0"), _rank(1, "h1")],
                                                           [pair], slow))))
     assert notes(slow, eager="4194304") == []
+    (note,) = notes(slow, eager="1048576")          # raised, but not enough: its value shown
+    assert "eager limit (1048576 bytes)" in note, note
     assert notes(fast) == []
     assert notes(slow, hosts=("h", "h")) == []
 
@@ -225,8 +227,7 @@ def test_doctor_on_two_hosts_with_a_1_gbit_link(shaped_hosts):
     # host's rank on core 0 of the same CPU, and they would take turns (4 ms "latency").
     # With the TCP eager limit the doctor advises, its allreduce reaches the link.
     env = h.env(OMPI_MCA_btl="self,tcp", PRTE_MCA_hwloc_default_binding_policy="none",
-                OMPI_MCA_btl_tcp_eager_limit="4194304",
-                OMPI_MCA_btl_tcp_rndv_eager_limit="4194304")
+                **D.TCP_EAGER_ENV)
     t0 = time.monotonic()
     proc = h.run([PY, "-m", "hvd_magic.runner.doctor_run", "--json", "-np", "2", "-H",
                   h.hosts_arg, "--network-interface", SUBNET, "--model-bytes", "1.96e6",

@@ -24,8 +24,11 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-#: Open MPI's TCP eager limit suggested when a multi-host allreduce is slow (bytes).
+#: Open MPI's TCP eager limit suggested when a multi-host allreduce is slow (bytes), and
+#: the ranks' environment that sets it (what :func:`eager_note` tells the user to set).
 TCP_EAGER_LIMIT = 4 << 20
+TCP_EAGER_ENV = {"OMPI_MCA_btl_tcp_eager_limit": str(TCP_EAGER_LIMIT),
+                 "OMPI_MCA_btl_tcp_rndv_eager_limit": str(TCP_EAGER_LIMIT)}
 
 #: Packages whose versions must agree on every rank.
 PACKAGES = ("hvd_magic", "torch", "tensorflow", "mpi4py", "numpy")
@@ -231,12 +234,12 @@ def eager_note(rep: Report, eager_limit: Optional[str]) -> Optional[str]:
     got = rep.allreduce["bandwidth"]
     if got >= 0.75 * link:
         return None
+    limit = f"{eager_limit} bytes" if eager_limit else "64 KiB"
+    settings = " ".join(f"{k}={v}" for k, v in TCP_EAGER_ENV.items())
     return (f"the allreduce across hosts reached {got / link:.0%} of the slowest link "
             f"({gbit(got)} of {gbit(link)}). Over TCP, Open MPI sends a message above its "
-            "eager limit (64 KiB) after the receiver's go-ahead, which queues behind the "
-            "receiver's own data on the same connection: try the ranks with "
-            "OMPI_MCA_btl_tcp_eager_limit="
-            f"{TCP_EAGER_LIMIT} OMPI_MCA_btl_tcp_rndv_eager_limit={TCP_EAGER_LIMIT} "
+            f"eager limit ({limit}) after the receiver's go-ahead, which queues behind the "
+            f"receiver's own data on the same connection: try the ranks with {settings} "
             "(docs/doctor.md: on 2 hosts at 0.5 Gbit/s it took the allreduce from 0.24 to "
             "0.47 Gbit/s)")
 
