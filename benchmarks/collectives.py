@@ -15,7 +15,8 @@ What it measures (numpy float32 throughout):
   then ``out *= 1/n``), and above the allreduce chunk (1 MiB) the in-place Sum as one MPI
   call per buffer (``HVD_MAGIC_ALLREDUCE_CHUNK_MB=0``), to show what the 1 MiB pieces give;
   at 4 KiB also a named call (as in a training loop) and the torch face's ``allreduce_`` on
-  the same buffer;
+  the same buffer; at 1 MiB an ``allreduce_async_`` polled until done against one
+  synchronized;
 - 100 tensors of 4 KiB: 100 raw blocking Allreduce calls against 100
   ``hvd.allreduce_async_`` + ``hvd.synchronize`` and one ``hvd.grouped_allreduce`` (and one
   of the torch face, on 100 torch tensors);
@@ -208,6 +209,20 @@ class Bench:
 
                     variants["torch_sum_"] = torch_inplace
                     variants["torch_sum_named"] = torch_named
+            if nbytes == MiB:
+                def hvd_polled():
+                    # a Horovod loop that polls until the allreduce is done (the engine
+                    # thread needs the GIL the polling thread holds)
+                    h = hvd.allreduce_async_(x, op=hvd.Sum)
+                    while not hvd.poll(h):
+                        pass
+                    hvd.synchronize(h)
+
+                def hvd_synced():
+                    hvd.synchronize(hvd.allreduce_async_(x, op=hvd.Sum))
+
+                variants["hvd_polled"] = hvd_polled
+                variants["hvd_synced"] = hvd_synced
             backend = hvd_state.engine().mpi_backend
             chunk = backend.chunk
 
@@ -226,7 +241,7 @@ class Bench:
             s = self.interleave(variants, rounds, calls)
             # (the variants some sizes leave out)
             med = dict.fromkeys(("raw_other", "hvd_sum_1call", "hvd_sum_named", "torch_sum_",
-                                 "torch_sum_named"), float("nan"))
+                                 "torch_sum_named", "hvd_polled", "hvd_synced"), float("nan"))
             med.update({k: statistics.median(v) for k, v in s.items()})
             rows.append({"bytes": nbytes, "n": len(s["raw"]), **{f"{k}_s": v for k, v in med.items()}})
             if self.rank == 0 and self.args.verbose:
@@ -354,6 +369,10 @@ def report(res: dict, args) -> list:
         p("in place Sum as one MPI call per buffer (HVD_MAGIC_ALLREDUCE_CHUNK_MB=0), same run: " + ", ".join(
             f"{human(r['bytes'])} {fmt_t(r['hvd_sum_1call_s'])} (the default 1 MiB pieces "
             f"{r['hvd_sum_1call_s'] / r['hvd_sum__s']:.2f}x faster)" for r in rows))
+    p("1 MiB allreduce_async_ polled in a loop (while not hvd.poll(h): pass), same run: " + ", ".join(
+        f"{fmt_t(r['hvd_polled_s'])}, {r['hvd_polled_s'] / r['hvd_synced_s']:.2f}x allreduce_async_ "
+        f"+ synchronize ({fmt_t(r['hvd_synced_s'])})"
+        for r in res["sizes"] if r["hvd_polled_s"] == r["hvd_polled_s"]))
     p("")
     b = res["batch"]
     p(f"100 tensors of 4 KiB (n={b['n']} batches): 100 raw blocking Allreduce {fmt_t(b['raw_s'])}; "

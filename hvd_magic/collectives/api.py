@@ -11,6 +11,7 @@ import itertools
 import math
 import pickle
 import threading
+import time
 from typing import Any, Optional
 
 import numpy as np
@@ -422,10 +423,24 @@ def _split_objects(raw: np.ndarray, rows: Any) -> list:
 
 # ---------------------------------------------------------------- handles
 
+#: How long :func:`poll` of an unfinished operation sleeps before it answers False.
+POLL_WAIT_S = 200e-6
+
+
 def poll(handle: Handle) -> bool:
-    """True once the operation behind ``handle`` has finished (never blocks)."""
-    if not isinstance(handle, (Handle, GroupHandle)):
+    """True once the operation behind ``handle`` has finished. While it has not, the call
+    waits for it up to ``POLL_WAIT_S`` (0.2 ms) as :func:`synchronize` would, releasing the
+    GIL: the engine thread that carries the operation out needs the GIL between its MPI
+    calls, and a loop of polls that held it would hand it over only every 5 ms (Python's
+    switch interval). A 400 KB allreduce polled in such a loop took 27 ms at 2 ranks
+    instead of 0.4 ms."""
+    if type(handle) is Handle:
+        return handle.poll(POLL_WAIT_S)
+    if not isinstance(handle, GroupHandle):
         raise TypeError(f"poll takes a handle from an *_async call, not {type(handle).__name__}")
+    if handle.done():
+        return True
+    time.sleep(POLL_WAIT_S)      # (a group's parts: waited on alike, by sleeping)
     return handle.done()
 
 

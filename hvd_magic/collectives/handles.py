@@ -52,6 +52,15 @@ class Handle:
     def done(self) -> bool:
         return self._done
 
+    def poll(self, wait_s: float) -> bool:
+        """:meth:`done`, after waiting for it up to ``wait_s`` s as :meth:`wait` does."""
+        if not self._done:
+            try:
+                self._engine.wait_for(self, wait_s)
+            except TimeoutError:
+                return False
+        return True
+
     def wait(self, timeout: Optional[float] = None) -> Any:
         """Block until done (interruptible), then return the result or raise the error."""
         if not self._done:

@@ -458,8 +458,11 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[
 # ---------------------------------------------------------------- handles, join, barrier
 
 def poll(handle: Handle) -> bool:
-    """True once ``handle``'s operation has finished (never blocks)."""
-    return handle.done() if isinstance(handle, SparseHandle) else C.poll(handle)
+    """True once ``handle``'s operation has finished (:func:`hvd_magic.collectives.poll`:
+    an unfinished one answers after 0.2 ms, leaving the engine thread the GIL)."""
+    if isinstance(handle, SparseHandle):
+        return C.poll(handle.indices) and C.poll(handle.values)
+    return C.poll(handle)
 
 
 def synchronize(handle: Handle) -> Any:
