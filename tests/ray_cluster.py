@@ -4,15 +4,18 @@ namespace and a worker node (``ray start --address``) in another, joined by a ve
 
 :func:`two_nodes` starts it and, at the end, stops it by killing the processes in its two
 namespaces (``ray stop`` would end every Ray process on the machine, other runs' included).
-Each test module gives its own subnet, namespace prefix and port, so that two modules never
-share a cluster or a name.
+A module that starts one gives its own subnet, namespace prefix and port, so that two never
+share a cluster or a name. A driver run on it prints one ``RESULT <json>`` line:
+:func:`result` reads it.
 """
 from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -21,6 +24,16 @@ from typing import Dict, Iterator, Tuple
 import netns_hosts
 
 VENV_BIN = os.path.dirname(sys.executable)
+
+
+def result(proc: subprocess.CompletedProcess) -> dict:
+    """The ``RESULT <json>`` line a driver printed last, as a dict; fails showing both
+    streams when the driver failed or printed none."""
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, (
+        f"driver exited {proc.returncode}\nstdout:\n{proc.stdout[-6000:]}\n"
+        f"stderr:\n{proc.stderr[-6000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
 
 
 @contextlib.contextmanager

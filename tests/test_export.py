@@ -70,7 +70,7 @@ def test_launcher_lines():
 def test_a_ray_pool_exports_a_ray_driver():
     """The pool ran on Ray: the script is run with python and drives RayExecutor workers on
     the same cluster (or a Ray of its own, as a local pool had); the cells follow as they
-    would under hvdrun (the real run: tests/test_ray_pool.py)."""
+    would under hvdrun (the real run: tests/test_ray.py)."""
     cells = [_cell("-np 2 --ray 10.1.2.3:6379", "w = 1", ray="10.1.2.3:6379"),
              _cell("", "w + 1", ray="10.1.2.3:6379")]
     made = build_script(cells, "t.py")

@@ -1,16 +1,19 @@
-"""hvd_magic.ray's RayExecutor on a real two-node Ray cluster.
+"""hvd_magic.ray's RayExecutor, and ``%%hvd -np 2 --ray ADDRESS`` (the notebook pool with
+its ranks in Ray actors), on one real two-node Ray cluster.
 
 The cluster is made as on two machines: a head node (``ray start --head``) in one network
 namespace and a worker node (``ray start --address``) in another, joined by a veth pair
 (tests/netns_hosts.py). One cluster serves every test of the module; it is stopped by
 killing the processes in its two namespaces (``ray stop`` would end every Ray process on
 the machine, other runs' included). The drivers run in the head's namespace, as a user's
-script would on the head node, and print one ``RESULT <json>`` line for the test to read.
+script would on the head node, and print one ``RESULT <json>`` line for the test to read;
+the pool's kernel side runs there too, through a real IPython shell (tests/mpi/ray_pool.py),
+as a notebook on the head node would.
 """
 from __future__ import annotations
 
-import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -26,6 +29,7 @@ from hvd_magic.ray import RayExecutor  # noqa: E402
 
 SUBNET = "10.239.0.0/24"
 PORT = 6390
+POOL_DRIVER = os.path.join(os.path.dirname(__file__), "mpi", "ray_pool.py")
 
 
 @pytest.fixture(scope="module")
@@ -43,12 +47,8 @@ def drive(cluster, script: str, *args: str, timeout: float = 300) -> dict:
     path = os.path.join(hosts.shared, "driver.py")
     with open(path, "w") as fh:
         fh.write(script)
-    proc = hosts.run([sys.executable, path, address, hosts.shared, *args], env=env,
-                     timeout=timeout, host=hosts.a)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, (
-        f"driver exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-6000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return ray_cluster.result(hosts.run([sys.executable, path, address, hosts.shared, *args],
+                                        env=env, timeout=timeout, host=hosts.a))
 
 
 def ray_workers(cluster) -> list:
@@ -290,6 +290,108 @@ def test_a_killed_worker_ends_run_naming_its_rank_and_node(cluster):
         "raised ValueError: bad batch" in out["raised"], out["raised"]
     assert "fails_on_rank_1" in out["raised"]          # the rank's traceback
     assert _gone(cluster)
+
+
+# ------------------------------------------------ %%hvd --ray on the same cluster
+
+@pytest.fixture(scope="module")
+def on_cluster(cluster):
+    """One driver run of the ``cluster`` scenario (its RESULT), shared by the tests below."""
+    hosts, address, env = cluster
+    # the nodes' hostnames resolve to 127.0.0.1: gloo must use the veth (as with any
+    # cluster whose hostnames do not resolve to the address the others reach)
+    proc = hosts.run([sys.executable, POOL_DRIVER, "cluster", address, hosts.a.ns, hosts.b.ns],
+                     env=dict(env, GLOO_SOCKET_IFNAME="hvd0"), timeout=480, host=hosts.a)
+    return ray_cluster.result(proc), hosts
+
+
+@pytest.mark.slow
+def test_a_ray_pool_spans_both_nodes_and_keeps_state_between_cells(on_cluster):
+    res, hosts = on_cluster
+    # the start names the cluster's nodes and the rank on each
+    line = next(x for x in res["start_text"].splitlines() if x.startswith("hvd: Ray cluster"))
+    assert "2 nodes" in line and "2 ranks on 2" in line, res["start_text"]
+    on = {r: h.split("(")[1].rstrip(")") for r, h in res["hosts"].items()}
+    assert sorted(on.values()) == [hosts.a.ip, hosts.b.ip], res["hosts"]
+    for r, ip in on.items():
+        assert f"({ip}): rank {r}" in line, line
+    assert f"the Ray nodes reach the controller at {hosts.a.ip}" in res["start_text"]
+    # an allreduce across the nodes: 1 + 2 on each rank
+    assert res["first"] == {"0": [0, 2, [3.0] * 3], "1": [1, 2, [3.0] * 3]}
+    # the second cell sees the first one's w: 3 + (3 + 3)
+    assert res["second"] == {"0": [0, [9.0] * 3], "1": [1, [9.0] * 3]}
+    assert hosts.b.ip in res["status"] and "Ray cluster" in res["status"]
+    # past --timeout: interrupted on both nodes (through the engines' nannies); the pool
+    # and its state stay
+    assert res["timeout"].startswith("PoolCellTimeout") and "the pool is ready" in \
+        res["timeout"], res["timeout"]
+    assert res["same_pool"] and res["third"] == res["second"]
+    assert res["pulled"] == [[7, [9.0] * 3], [14, [9.0] * 3]]
+    # the engines' side of the controller: on the head host's address only, no wildcard
+    assert res["engine_interface"] == f"tcp://{hosts.a.ip}"
+    listen = [tuple(x) for x in res["controller_listen"]]
+    assert listen and {ip for ip, _ in listen} <= {hosts.a.ip, "127.0.0.1"}, listen
+
+
+@pytest.mark.slow
+def test_the_live_panel_gets_both_nodes_telemetry(on_cluster):
+    """A training-like cell on the Ray pool: what the live panel draws (each rank's samples
+    and time in collectives) comes from both ranks; shown here as its text summary."""
+    res, _ = on_cluster
+    text = res["telemetry"]
+    m = re.search(r"hvd: throughput .* samples/s in total.*"
+                  r"\(rank 0 ([\d.]+)(?: [kM])?, rank 1 ([\d.]+)(?: [kM])?\)", text)
+    assert m and all(float(v) > 0 for v in m.groups()), text
+    assert re.search(r"hvd: collectives in flight \S+ of the time \(rank 0 \S+, rank 1 \S+\)",
+                     text), text
+
+
+@pytest.mark.slow
+def test_hvd_stacks_on_a_ray_pool_shows_the_rank_on_each_node(on_cluster):
+    """%hvd stacks while a cell runs on both nodes: each rank's stack, asked and read on its
+    own node by its actor, with the cell's line it runs; the cell goes on."""
+    res, _ = on_cluster
+    text = res["stacks"]
+    assert "hvd: the stacks of 2 rank(s)" in text and "no stack" not in text, text
+    for r in (0, 1):
+        assert re.search(rf"rank {r}: runs \S+:4 \(in <module>\), not in a collective",
+                         text), text
+    assert res["stacks_running"] and res["stacks_cell_ok"], res
+    assert res["stacks_s"] < 8, res["stacks_s"]
+
+
+@pytest.mark.slow
+def test_stop_leaves_no_engine_or_ray_worker_behind(on_cluster):
+    res, _ = on_cluster
+    assert res["stopped_clean"] and res["left_after_stop"] == [], res["left_after_stop"]
+
+
+@pytest.mark.slow
+def test_export_of_a_ray_pool_is_a_ray_driver_that_gives_the_same_results(on_cluster):
+    """%hvd export after two cells on the Ray cluster writes a Ray driver (RayExecutor);
+    run with python, its two workers print what the cells showed, and nothing is left."""
+    res, _ = on_cluster
+    assert "python " in res["export_said"] and "hvdrun" not in res["export_said"], \
+        res["export_said"]
+    code, stdout, stderr = res["exported_run"]
+    assert code == 0, stdout + stderr
+    printed = stdout.splitlines()
+    for r in (0, 1):       # each cell's last value, on each worker, as the pool showed it
+        assert f"[{r}] ({r}, 2, [3.0, 3.0, 3.0])" in printed, stdout + stderr
+        assert f"[{r}] ({r}, [9.0, 9.0, 9.0])" in printed, stdout + stderr
+    assert res["left_after_export"] == [], res["left_after_export"]
+
+
+@pytest.mark.slow
+def test_a_killed_rank_ends_the_cell_naming_it(on_cluster):
+    res, hosts = on_cluster
+    text = res["killed"]
+    assert text.startswith("RankDiedError"), text
+    assert "rank 1 died: killed by signal SIGKILL" in text and res["victim_node"] in text, text
+    assert "rank 0" not in text.split("\n")[0].split("rank 1")[0], text
+    print(f"the cell ended {res['killed_after_s']:.2f} s after the kill")
+    assert res["killed_after_s"] < 10, res["killed_after_s"]     # 5 s is the aim
+    assert res["after_death_clean"] and res["left_after_death"] == [], res["left_after_death"]
 
 
 def test_arguments_are_checked_before_anything_starts():
