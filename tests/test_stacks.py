@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from hvd_magic.stacks import group
-from mpi_harness import HERE, mpi_env, mpirun, run_job
+from mpi_harness import HERE, MPIEXEC, mpi_env, mpirun, run_job
 
 HVDRUN = str(Path(sys.executable).with_name("hvdrun"))
 SCRIPT = HERE / "mpi" / "stall_stacks.py"
@@ -211,6 +211,29 @@ def _assert_both_ranks(err: str, marks=("WAIT-WEIGHT", "WAIT-BIAS"),
         assert waits in err, err
         stack = err.split(f"--- rank {r} ---")[1]
         assert f'File "{SCRIPT}", line {n}, in <module>' in stack.split("---")[0], err
+
+
+def test_a_job_removes_the_stacks_directories_that_killed_jobs_left():
+    """Ranks killed with SIGKILL cannot remove their stacks directory; the ranks of the next
+    job on that host remove it (a directory whose launcher still runs stays)."""
+    import socket
+    import tempfile
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    base, uid, host = tempfile.gettempdir(), os.getuid(), socket.gethostname()
+    stale = Path(base, f"hvd_magic-stacks-{uid}-prterun-{host}-{dead.pid}_1")
+    live = Path(base, f"hvd_magic-stacks-{uid}-prterun-{host}-{os.getpid()}_1")
+    for d in (stale, live):
+        d.mkdir(exist_ok=True)
+        (d / "0.pid").write_text("1 host 1\n")
+    try:
+        run_job([MPIEXEC, "-n", "2", sys.executable, "-c",
+                 "import hvd_magic.collectives as h; h.init(); h.shutdown()"],
+                mpi_env(), 60, "init")
+        assert not stale.exists() and live.exists()
+    finally:
+        for d in (stale, live):
+            subprocess.run(["rm", "-rf", str(d)])
 
 
 def test_hvdrun_stall_names_each_rank_s_waiting_line_and_shows_both_stacks():

@@ -28,6 +28,7 @@ import atexit
 import faulthandler
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
@@ -68,6 +69,54 @@ SETTLE_S = 0.1
 _state: Dict[str, object] = {}
 
 
+#: Open MPI's job namespace: ``prterun-<launcher's host>-<launcher's pid>_<job>``.
+_PRTE_JOB = re.compile(r"prterun-(.+)-(\d+)_\d+$")
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+
+
+def stale_job_dirs(names: Sequence[str], uid: int, host: str, alive) -> List[str]:
+    """Deciding: which of ``names`` (entries of the temporary directory) are this user's
+    job directories left by ranks killed with SIGKILL (which cannot remove their files):
+    those of Open MPI jobs whose launcher ran on ``host`` and is gone (``alive(pid)``
+    False). A directory of a job started on another host is left alone.
+
+    >>> stale_job_dirs(["hvd_magic-stacks-0-prterun-vm-17_1", "hvd_magic-stacks-0-prterun-vm-18_1",
+    ...                 "hvd_magic-stacks-0-prterun-pc2-17_1", "hvd_magic-stacks-1-prterun-vm-17_1"],
+    ...                0, "vm", lambda pid: pid == 18)
+    ['hvd_magic-stacks-0-prterun-vm-17_1']
+    """
+    prefix = f"hvd_magic-stacks-{uid}-"
+    out = []
+    for name in names:
+        m = _PRTE_JOB.match(name[len(prefix):]) if name.startswith(prefix) else None
+        if m and m.group(1) == _safe(host) and not alive(int(m.group(2))):
+            out.append(name)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        pass            # another user's process
+    return True
+
+
+def _remove_stale(base: str, uid: int) -> None:
+    """Doing: remove :func:`stale_job_dirs` of ``base``."""
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return
+    for name in stale_job_dirs(names, uid, socket.gethostname(), _alive):
+        shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+
+
 def job_dir(env: Optional[dict] = None) -> Optional[str]:
     """Where this job's ranks write their stacks (None: nowhere known)."""
     env = os.environ if env is None else env
@@ -79,8 +128,7 @@ def job_dir(env: Optional[dict] = None) -> Optional[str]:
     if not job:
         return None
     uid = os.getuid() if hasattr(os, "getuid") else 0
-    return os.path.join(tempfile.gettempdir(),
-                        f"hvd_magic-stacks-{uid}-{re.sub(r'[^A-Za-z0-9_.-]', '_', job)}")
+    return os.path.join(tempfile.gettempdir(), f"hvd_magic-stacks-{uid}-{_safe(job)}")
 
 
 def install(rank: int) -> Optional[str]:
@@ -101,9 +149,11 @@ def install(rank: int) -> Optional[str]:
                 return None      # someone else's directory of that name: not ours to use
             if not _state.get("cleanup"):
                 # nobody else removes a directory the ranks made: each rank takes its files
-                # away at exit, and the last one the directory
+                # away at exit, and the last one the directory; those of killed jobs are
+                # removed by the ranks of a later job
                 _state["cleanup"] = True
                 atexit.register(_remove_own, d)
+                _remove_stale(os.path.dirname(d), os.stat(d).st_uid)
         elif not os.path.isdir(d):
             # hvdrun's directory is on its own host: a rank elsewhere answers on stderr,
             # each line marked, and hvdrun takes its stacks out of the job's output (Framed)
