@@ -143,6 +143,9 @@ class _Then:
     def done(self) -> bool:
         return type(self.res) is not Handle or self.res.done()
 
+    def poll(self, wait_s: float) -> bool:
+        return type(self.res) is not Handle or self.res.poll(wait_s)
+
     def wait(self, timeout: Optional[float] = None) -> list:
         res = self.res.wait(timeout) if type(self.res) is Handle else self.res
         return self.split(res, None)
@@ -156,6 +159,9 @@ class _Single:
 
     def done(self) -> bool:
         return self.h.done()
+
+    def poll(self, wait_s: float) -> bool:
+        return self.h.poll(wait_s)
 
     def wait(self, timeout: Optional[float] = None) -> list:
         return [self.h.wait(timeout)]
@@ -215,6 +221,10 @@ class _Members:
 
     def done(self) -> bool:
         return all(h.done() for h in self.handles)
+
+    def poll(self, wait_s: float) -> bool:
+        first = next((h for h in self.handles if not h.done()), None)
+        return first is None or (first.poll(wait_s) and self.done())
 
     def wait(self, timeout: Optional[float] = None) -> list:
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -175,6 +175,13 @@ class GroupHandle:
     def done(self) -> bool:
         return all(h.done() for h, _ in self._parts)
 
+    def poll(self, wait_s: float) -> bool:
+        """:meth:`done`, after waiting up to ``wait_s`` s for the first unfinished part."""
+        for part, _ in self._parts:
+            if not part.done():
+                return part.poll(wait_s) and self.done()
+        return True
+
     def wait(self, timeout: Optional[float] = None) -> list:
         if len(self._parts) == 1 and len(self._parts[0][1]) == self._count:
             return self._parts[0][0].wait(timeout)     # one part, already in the user's order
