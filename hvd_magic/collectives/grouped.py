@@ -16,7 +16,7 @@ from . import ops, progress
 from .api import (allgather_async, allgather_object, check_tensor, reducescatter_async,
                   request_name, scale_factor, submit_allreduce)
 from .errors import HvdError, OpNotSupportedError
-from .handles import NOT_TAKEN, GroupHandle, Handle
+from .handles import NOT_TAKEN, GroupHandle, Handle, poll_first
 from .negotiation import Ann
 from .ops import Average
 from .process_sets import ProcessSet, engine_of, global_process_set
@@ -223,8 +223,7 @@ class _Members:
         return all(h.done() for h in self.handles)
 
     def poll(self, wait_s: float) -> bool:
-        first = next((h for h in self.handles if not h.done()), None)
-        return first is None or (first.poll(wait_s) and self.done())
+        return poll_first(self.handles, wait_s)
 
     def wait(self, timeout: Optional[float] = None) -> list:
         deadline = None if timeout is None else time.monotonic() + timeout

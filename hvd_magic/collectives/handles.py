@@ -165,6 +165,13 @@ class LocalReq:
             self.result = arr
 
 
+def poll_first(items: list, wait_s: float) -> bool:
+    """Whether every one of ``items`` (handles, or parts of a group) is done, after waiting
+    up to ``wait_s`` s for the first that is not (its ``poll``)."""
+    first = next((x for x in items if not x.done()), None)
+    return first is None or (first.poll(wait_s) and all(x.done() for x in items))
+
+
 class GroupHandle:
     """Handle of a grouped allreduce: ``synchronize`` returns the list of results."""
 
@@ -176,11 +183,7 @@ class GroupHandle:
         return all(h.done() for h, _ in self._parts)
 
     def poll(self, wait_s: float) -> bool:
-        """:meth:`done`, after waiting up to ``wait_s`` s for the first unfinished part."""
-        for part, _ in self._parts:
-            if not part.done():
-                return part.poll(wait_s) and self.done()
-        return True
+        return poll_first([part for part, _ in self._parts], wait_s)
 
     def wait(self, timeout: Optional[float] = None) -> list:
         if len(self._parts) == 1 and len(self._parts[0][1]) == self._count:

@@ -145,7 +145,8 @@ def install(rank: int) -> Optional[str]:
     try:
         if not given:
             os.makedirs(d, mode=0o700, exist_ok=True)
-            if hasattr(os, "getuid") and os.stat(d).st_uid != os.getuid():
+            owner = os.stat(d).st_uid
+            if hasattr(os, "getuid") and owner != os.getuid():
                 return None      # someone else's directory of that name: not ours to use
             if not _state.get("cleanup"):
                 # nobody else removes a directory the ranks made: each rank takes its files
@@ -153,7 +154,7 @@ def install(rank: int) -> Optional[str]:
                 # removed by the ranks of a later job
                 _state["cleanup"] = True
                 atexit.register(_remove_own, d)
-                _remove_stale(os.path.dirname(d), os.stat(d).st_uid)
+                _remove_stale(os.path.dirname(d), owner)
         elif not os.path.isdir(d):
             # hvdrun's directory is on its own host: a rank elsewhere answers on stderr,
             # each line marked, and hvdrun takes its stacks out of the job's output (Framed)
