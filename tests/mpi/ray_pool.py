@@ -10,14 +10,15 @@ is run after ``%hvd stop``), ``%hvd stop``; then a new pool, a cell that runs wh
 long until the cell ended and what it said.
 
 ``local``: ``%%hvd -np 2 --ray`` (a Ray started for the pool): an allreduce, what the Ray
-processes it started listen on, a cell while rank 1's engine is killed, ``%hvd stop``, and
-which of the processes are left.
+processes it started listen on, a cell while rank 1's engine is killed (and its actor
+stopped for 4 s), ``%hvd stop``, and which of the processes are left.
 """
 import contextlib
 import io
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import sys
@@ -207,9 +208,19 @@ elif scenario == "local":
     shell.run_cell_magic("hvd", "--out second", "w += 1\n(hvd.rank(), w.tolist())")
     res["second"] = out("second")
     res["netns"] = pool.config.netns
-    # rank 1's engine killed while a cell runs: the cell ends naming it, the pool stops
+    # rank 1's engine killed while a cell runs: the cell ends naming it, the pool stops;
+    # its actor answers late (stopped for longer than the heartbeat's 3 s, as on a loaded
+    # machine), and the cell still says it was killed, not paused
     victim = pool.engine_pids[1]
-    threading.Timer(2.0, os.kill, (victim, 9)).start()
+    actor = psutil.Process(victim).ppid()
+
+    def kill_and_stall_the_actor():
+        os.kill(actor, signal.SIGSTOP)
+        os.kill(victim, signal.SIGKILL)
+        time.sleep(4.0)
+        os.kill(actor, signal.SIGCONT)
+
+    threading.Timer(2.0, kill_and_stall_the_actor).start()
     try:
         shell.run_cell_magic("hvd", "", "import time\nfor _ in range(600): time.sleep(0.1)\n")
         res["killed"] = "no exception"

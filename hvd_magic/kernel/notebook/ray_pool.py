@@ -52,6 +52,10 @@ from .procs import RankExit, describe_exit, descendants, spawn, stop_tree, tail
 
 #: How often the kernel asks the actors whether their engines still run (seconds).
 POLL_S = 0.25
+#: When a rank is lost, how long its actor may take to say whether and how its engine ended
+#: (milliseconds as a rule; seconds on a loaded machine, where a shorter wait took a killed
+#: rank for a paused one).
+EXIT_REPORT_S = 5.0
 #: Seconds to wait for the actors to stop their engines before killing the actors.
 STOP_WAIT_S = 3.0
 
@@ -207,6 +211,12 @@ class RayRanks:
         return {"nodes": self.executor.nodes, "pids": self.pids,
                 "alive": len([n for n in ray.nodes() if n.get("Alive")])}
 
+    @property
+    def pending(self) -> bool:
+        """Whether some actor has not answered the last question yet (the last :meth:`poll`
+        said nothing because the answer was not complete)."""
+        return self._polls is not None
+
     def poll(self, wait: float = 0.0) -> Dict[int, str]:
         """Ask every actor whether its engine still runs (at most every :data:`POLL_S` s,
         without blocking unless ``wait``): rank -> how it ended, for those that did."""
@@ -339,21 +349,27 @@ class HostedRanks:
         return reply
 
     def poll(self, wait: float = 0.0) -> Dict[int, str]:
-        if not self._waiting:
-            if not wait and time.monotonic() - self._polled < POLL_S:
-                return {}
-            self._send({"cmd": "poll", "wait": 1.0 if wait else 0.0})
-            self._waiting, self._polled = True, time.monotonic()
+        """As :meth:`RayRanks.poll`: with ``wait``, asks again until every actor answered
+        (a question sent without waiting may still be on its way) or ``wait`` s passed."""
         import queue
-        try:
-            reply = self.replies.get(timeout=wait + (1.0 if wait else 0.0)) if wait \
-                else self.replies.get_nowait()
-        except queue.Empty:
-            return {}
-        self._waiting = False
-        if "error" in reply:
-            return {r: f"was lost: {reply['error']}" for r in range(self.np)}
-        return {int(r): how for r, how in reply.get("exits", {}).items()}
+        deadline = time.monotonic() + wait
+        while True:
+            if not self._waiting:
+                if not wait and time.monotonic() - self._polled < POLL_S:
+                    return {}
+                self._send({"cmd": "poll", "wait": max(0.0, deadline - time.monotonic())})
+                self._waiting, self._polled = True, time.monotonic()
+            try:
+                reply = self.replies.get(timeout=deadline - time.monotonic() + 1.0) if wait \
+                    else self.replies.get_nowait()
+            except queue.Empty:
+                return {}
+            self._waiting = False
+            if "error" in reply:
+                return {r: f"was lost: {reply['error']}" for r in range(self.np)}
+            exits = {int(r): how for r, how in reply.get("exits", {}).items()}
+            if exits or not reply.get("pending") or time.monotonic() >= deadline:
+                return exits
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -510,7 +526,7 @@ class RayPool(Pool):
         return replace(seen, exits=found, job="the Ray job")
 
     def _death(self, failures: Any, targets: Any) -> Any:
-        self._poll(wait=2.0)            # let the actors say which engine ended, and how
+        self._poll(wait=EXIT_REPORT_S)  # let the actors say which engine ended, and how
         return super()._death(failures, targets)
 
     def _log(self) -> str:
