@@ -55,7 +55,7 @@ demo: setup
 # NBVAL_CHECK_OUTPUT are compared after notebooks/sanitize.cfg), one pytest, one exit code;
 # the 15 slowest tests are listed at the end, to keep the suite under CI's 20 minutes.
 test: setup
-	$(PY) -m pytest -q --durations=15 tests --nbval-lax --nbval-sanitize-with notebooks/sanitize.cfg notebooks
+	$(PY) -m pytest -q -n 2 --durations=15 tests --nbval-lax --nbval-sanitize-with notebooks/sanitize.cfg notebooks
 
 bench: setup
 	$(PY) benchmarks/run_all.py

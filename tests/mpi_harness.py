@@ -3,6 +3,7 @@ controller), or under `torchrun` (the gloo controller: no MPI at all)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -98,3 +99,12 @@ def torchrun(script: str, np: int, *args: str, env: dict | None = None, timeout:
 def launch(launcher: str, script: str, np: int, *args: str, **kw) -> subprocess.CompletedProcess:
     """:func:`mpirun` or :func:`torchrun` (``launcher`` one of :data:`LAUNCHERS`)."""
     return (torchrun if launcher == "torchrun" else mpirun)(script, np, *args, **kw)
+
+
+def probes(stdout: str) -> dict:
+    """rank -> the fields of each rank's probe line (tests/mpi/controller_probe.py)."""
+    out = {}
+    for line in re.findall(r"probe (rank=.*)", stdout):
+        fields = dict(kv.split("=", 1) for kv in line.split())
+        out[int(fields["rank"])] = fields
+    return out

@@ -11,18 +11,9 @@ import re
 
 import pytest
 
-from mpi_harness import launch, torchrun
+from mpi_harness import launch, probes, torchrun
 
 NP = pytest.mark.parametrize("np_", [2, 3], ids=["np2", "np3"])
-
-
-def probes(stdout: str) -> dict:
-    """rank -> the probe line's fields (tests/mpi/controller_probe.py)."""
-    out = {}
-    for line in re.findall(r"probe (rank=.*)", stdout):
-        fields = dict(kv.split("=", 1) for kv in line.split())
-        out[int(fields["rank"])] = fields
-    return out
 
 
 @pytest.mark.parametrize("launcher, np_", [("mpiexec", 2), ("torchrun", 3)],
@@ -256,49 +247,6 @@ def test_hvdrun_gloo_refuses_what_needs_mpi():
     hvdrun = str(Path(sys.executable).with_name("hvdrun"))
     proc = run_job([hvdrun, "--gloo", "-np", "2", "--min-np", "1", "true"], mpi_env(), 60, "")
     assert proc.returncode == 2 and "needs MPI: leave out --gloo" in proc.stderr, proc.stderr
-
-
-def test_torchrun_across_two_namespace_hosts(two_hosts):
-    """`torchrun --nnodes 2 --rdzv-endpoint HOST_A:PORT` on two hosts (network namespaces
-    joined by a veth pair, tests/netns_hosts.py), one rank each: one world of 2 with the
-    node as cross rank, and torch_checks.py's DistributedOptimizer equivalence passes."""
-    import subprocess
-
-    from mpi_harness import HERE, TORCHRUN, torch_env
-
-    def start(host, node: int, script: str):
-        argv = [TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node),
-                "--rdzv-backend", "c10d", "--rdzv-id", "hvdtest",
-                "--rdzv-endpoint", f"{two_hosts.a.ip}:29411", "--local-addr", host.ip,
-                # (which node keeps the store: said, as the hosts' names do not resolve)
-                "--rdzv-conf", f"is_host={'true' if node == 0 else 'false'}",
-                "--max-restarts", "0", str(HERE / "mpi" / script)]
-        env = torch_env({"GLOO_SOCKET_IFNAME": "hvd0"})
-        return subprocess.Popen(two_hosts.wrap(argv, host), env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True,
-                                stdin=subprocess.DEVNULL)
-
-    for script in ("controller_probe.py", "torch_checks.py"):
-        procs = [start(two_hosts.a, 0, script), start(two_hosts.b, 1, script)]
-        outs = []
-        for p in procs:
-            try:
-                outs.append(p.communicate(timeout=240))
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                raise AssertionError(f"{script} across two hosts hung: "
-                                     f"{[q.communicate(timeout=10) for q in procs]}") from None
-        out = "".join(o for o, _ in outs)
-        assert all(p.returncode == 0 for p in procs), (script, outs)
-        if script == "controller_probe.py":
-            got = probes(out)
-            assert sorted(got) == [0, 1], out
-            for r, f in got.items():
-                assert f["size"] == "2" and f["sum"] == "3" and f["controller"] == "gloo", f
-                assert f["local"] == "0/1" and f["cross"] == f"{r}/2", f
-        else:
-            assert "[rank 0] done, 0 failures" in out and "[rank 1] done, 0 failures" in out, outs
 
 
 def test_a_process_group_the_user_initialized_selects_the_gloo_controller():

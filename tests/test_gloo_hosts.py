@@ -5,7 +5,8 @@ pure function; then real jobs run across two network-namespace hosts (tests/netn
 host B is reached only through the ssh stand-in, with its own hostname, /tmp and a bare
 environment): the README's example trains to the weights `hvdrun -np 2` (MPI) gives, and
 a rank killed on host B ends the job, named, with nothing left running on either host.
-Once more with a real OpenSSH server on host B and the real ssh client as the agent.
+Once more with a real OpenSSH server on host B and the real ssh client as the agent; and
+`torchrun` itself across the two hosts.
 """
 from __future__ import annotations
 
@@ -332,3 +333,44 @@ def test_readme_example_over_real_ssh_to_host_b(two_hosts, _torch):
         sshd_log = fh.read()
     # the rank on B came in over ssh, from host A
     assert f"Accepted publickey for root from {two_hosts.a.ip}" in sshd_log, sshd_log
+
+
+def test_torchrun_across_two_namespace_hosts(two_hosts, _torch):
+    """`torchrun --nnodes 2 --rdzv-endpoint HOST_A:PORT` on two hosts (network namespaces
+    joined by a veth pair, tests/netns_hosts.py), one rank each: one world of 2 with the
+    node as cross rank, and torch_checks.py's DistributedOptimizer equivalence passes."""
+    from mpi_harness import TORCHRUN, probes, torch_env
+
+    def start(host, node: int, script: str):
+        argv = [TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node),
+                "--rdzv-backend", "c10d", "--rdzv-id", "hvdtest",
+                "--rdzv-endpoint", f"{two_hosts.a.ip}:29411", "--local-addr", host.ip,
+                # (which node keeps the store: said, as the hosts' names do not resolve)
+                "--rdzv-conf", f"is_host={'true' if node == 0 else 'false'}",
+                "--max-restarts", "0", str(HERE / "mpi" / script)]
+        env = torch_env({"GLOO_SOCKET_IFNAME": "hvd0"})
+        return subprocess.Popen(two_hosts.wrap(argv, host), env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                stdin=subprocess.DEVNULL)
+
+    for script in ("controller_probe.py", "torch_checks.py"):
+        procs = [start(two_hosts.a, 0, script), start(two_hosts.b, 1, script)]
+        outs = []
+        for p in procs:
+            try:
+                outs.append(p.communicate(timeout=240))
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                raise AssertionError(f"{script} across two hosts hung: "
+                                     f"{[q.communicate(timeout=10) for q in procs]}") from None
+        out = "".join(o for o, _ in outs)
+        assert all(p.returncode == 0 for p in procs), (script, outs)
+        if script == "controller_probe.py":
+            got = probes(out)
+            assert sorted(got) == [0, 1], out
+            for r, f in got.items():
+                assert f["size"] == "2" and f["sum"] == "3" and f["controller"] == "gloo", f
+                assert f["local"] == "0/1" and f["cross"] == f"{r}/2", f
+        else:
+            assert "[rank 0] done, 0 failures" in out and "[rank 1] done, 0 failures" in out, outs
