@@ -137,12 +137,16 @@ class _Telemetry:
             self.wake.wait()
             window = self.window
             if window is None and self.sent == 0 and self.max_spans > 0:
-                # A cell's first interval: after PROBE_S, a cell whose events already call
-                # for sampling sends its first batch now (which starts the sampling) instead
-                # of recording every event for a whole interval.
-                self.kick.wait(min(PROBE_S, self.interval))
-                if self.kick.is_set() or not self._busy():
-                    self.kick.wait(max(self.interval - PROBE_S, 0.0))
+                # A cell's first interval, looked at every PROBE_S: once its events call for
+                # sampling, it sends its first batch (which starts the sampling) instead of
+                # recording every event for a whole interval. (Looked at once, a cell whose
+                # loop started late, as under load, recorded the whole interval.)
+                end = time.monotonic() + self.interval
+                while True:
+                    left = end - time.monotonic()
+                    self.kick.wait(min(PROBE_S, max(left, 0.0)))
+                    if self.kick.is_set() or left <= PROBE_S or self._busy():
+                        break
             elif window is None:
                 self.kick.wait(self.interval)
             else:
