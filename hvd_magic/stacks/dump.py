@@ -191,6 +191,11 @@ def _answer_to(fh, framed: bool = False) -> None:
         faulthandler.register(SIGNAL_HELD, file=fh, all_threads=True, chain=False)
 
 
+#: Seconds a watcher has to end once its pipe is closed (it may still be starting: a
+#: Python start takes seconds on a loaded machine) before it is killed.
+WATCHER_STOP_S = 5.0
+
+
 def _start_watcher(rank: int) -> None:
     """On a host without the gatherer's directory: have a :mod:`.watch` process answer from
     C for this rank when it holds the GIL (one per process, started again when an elastic
@@ -235,7 +240,7 @@ def _spawn_watcher(rank: int) -> bool:
         return False
     finally:
         os.close(r)
-    _state.update(watcher=proc, watcher_rank=rank, wakeup=w, held=held)
+    _state.update(watcher=proc, watcher_rank=rank, wakeup=w, held=held, held_path=path)
     return True
 
 
@@ -248,11 +253,17 @@ def _stop_watcher() -> None:
     os.close(_state.pop("wakeup"))
     _state.pop("held").close()
     proc = _state.pop("watcher")
+    path = _state.pop("held_path")
     _state.pop("watcher_rank", None)
     try:
-        proc.wait(2)
+        proc.wait(WATCHER_STOP_S)
     except Exception:  # noqa: BLE001 - it hangs: it must not outlive its rank's runtime
         proc.kill()
+        proc.wait()
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 def _answer(signum: int, frame) -> None:
