@@ -17,6 +17,7 @@
    but quoted messages on that page.
 4. Relative links in README.md and docs/*.md point at files that exist, and ``#anchors`` into
    a Markdown page at one of its headings.
+5. The examples in docstrings (``>>>``) of hvd_magic's modules and of tests/conftest.py hold.
 """
 from __future__ import annotations
 
@@ -159,3 +160,18 @@ def test_relative_links_resolve():
             elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
                 broken.append(where)
     assert not broken, f"links to missing files or headings: {broken}"
+
+
+# ---------------------------------------------------------------- 5. docstring examples
+
+EXAMPLES = sorted(str(p.relative_to(ROOT).with_suffix("")).replace("/", ".")
+                  for p in (ROOT / "hvd_magic").rglob("*.py")
+                  if re.search(r"^\s*>>> ", p.read_text(), re.M)) + ["conftest"]
+
+
+@pytest.mark.parametrize("module", EXAMPLES)
+def test_docstring_examples_hold(module):
+    import doctest
+    import importlib
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.attempted and not result.failed, result
