@@ -41,12 +41,17 @@ def two_hosts():
 # is waiting (stall and liveness timeouts, launches, Slurm, Ray), which the other worker
 # fills. A worker takes one group of tests at a time: a module (or a notebook), so that its
 # module fixtures and a notebook's cells stay in one process; except that the modules in
-# MACHINE_MODULES, which make namespace hosts, shape links, start a Ray or a Slurm, or drive
-# a browser, form one group: they count processes and ports machine-wide or time links, so
-# they run one after another, never two at once.
-MACHINE = "machine"
-MACHINE_MODULES = {"test_browser", "test_doctor", "test_gloo_hosts", "test_multihost",
-                   "test_ray", "test_ray_pool", "test_slurm", "test_whatif"}
+# MACHINE_MODULES, which make namespace hosts, start a Ray or a Slurm, or drive a browser,
+# form one group: they count processes and ports machine-wide, so they run one after
+# another, never two at once. The modules in SOLO_MODULES time shaped links and compare the
+# figures with the link's rate (the doctor, the what-if check): beside another test's MPI
+# ranks, which spin on both cores, their ranks waited for a core and the doctor measured a
+# 1 Gbit/s link at 0.66. They form the group run last, alone: it waits until the other
+# worker has finished.
+MACHINE, SOLO = "machine", "solo"
+MACHINE_MODULES = {"test_browser", "test_gloo_hosts", "test_multihost", "test_ray",
+                   "test_ray_pool", "test_slurm"}
+SOLO_MODULES = {"test_doctor", "test_whatif"}
 
 
 def group_of(nodeid: str) -> str:
@@ -54,9 +59,12 @@ def group_of(nodeid: str) -> str:
 
     >>> group_of("tests/test_ray.py::test_x[2]"), group_of("notebooks/a.ipynb::Cell 1")
     ('machine', 'notebooks/a.ipynb')
+    >>> group_of("tests/test_doctor.py::test_y")
+    'solo'
     """
     path = nodeid.split("::", 1)[0]
-    return MACHINE if Path(path).stem in MACHINE_MODULES else path
+    stem = Path(path).stem
+    return MACHINE if stem in MACHINE_MODULES else SOLO if stem in SOLO_MODULES else path
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -64,9 +72,37 @@ def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
     class ByGroup(LoadScopeScheduling):
-        """xdist's scheduler by scope (largest first), the scope being :func:`group_of`."""
+        """xdist's scheduler by scope (largest first), the scope being :func:`group_of`;
+        the solo group goes last, to one worker, once the others have run all their tests."""
 
         def _split_scope(self, nodeid: str) -> str:
             return group_of(nodeid)
+
+        def _assign_work_unit(self, node) -> None:
+            if SOLO in self.workqueue and len(self.workqueue) > 1:
+                self.workqueue.move_to_end(SOLO)
+            if list(self.workqueue) == [SOLO]:
+                self._solo_when_alone()
+            else:
+                super()._assign_work_unit(node)
+
+        def _reschedule(self, node) -> None:
+            if list(self.workqueue) == [SOLO]:
+                self._solo_when_alone()         # asked again each time a test completes
+            else:
+                super()._reschedule(node)
+
+        def _solo_when_alone(self) -> None:
+            # An xdist worker keeps its last test until it is given more or told to end: so
+            # every worker but one is told to end, and the one left is given the solo group
+            # when those have no test left.
+            taker, *others = [n for n in self.nodes if not n.shutting_down] or [None]
+            if taker is None:
+                return
+            for other in others:
+                other.shutdown()
+            if not any(self._pending_of(self.assigned_work[n]) for n in self.nodes
+                       if n is not taker):
+                super()._assign_work_unit(taker)
 
     return ByGroup(config, log)
