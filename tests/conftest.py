@@ -45,9 +45,9 @@ def two_hosts():
 # form one group: they count processes and ports machine-wide, so they run one after
 # another, never two at once. The modules in SOLO_MODULES time shaped links and compare the
 # figures with the link's rate (the doctor, the what-if check): beside another test's MPI
-# ranks, which spin on both cores, their ranks waited for a core and the doctor measured a
-# 1 Gbit/s link at 0.66. They form the group run last, alone: it waits until the other
-# worker has finished.
+# ranks, which spin on both cores, their ranks wait for a core mid-measurement and the
+# figures are off by a third. They form the group run last, alone: it waits until the
+# other worker has finished.
 MACHINE, SOLO = "machine", "solo"
 MACHINE_MODULES = {"test_browser", "test_gloo_hosts", "test_multihost", "test_ray",
                    "test_ray_pool", "test_slurm"}
@@ -96,10 +96,11 @@ def pytest_xdist_make_scheduler(config, log):
             # An xdist worker keeps its last test until it is given more or told to end: so
             # every worker but one is told to end, and the one left is given the solo group
             # when those have no test left.
-            taker, *others = [n for n in self.nodes if not n.shutting_down] or [None]
-            if taker is None:
+            live = [n for n in self.nodes if not n.shutting_down]
+            if not live:
                 return
-            for other in others:
+            taker = live[0]
+            for other in live[1:]:
                 other.shutdown()
             if not any(self._pending_of(self.assigned_work[n]) for n in self.nodes
                        if n is not taker):
