@@ -377,7 +377,9 @@ def test_hvd_stacks_on_a_busy_pool_answers_and_leaves_the_cell_running(capsys):
         ip.run_line_magic("hvd", "stop")
         ip.run_line_magic("unload_ext", "hvd_magic")
     assert "hvd: the stacks of 2 rank(s)" in text and "did not answer" not in text, text
-    assert re.search(r"rank 0: runs \S+:13 \(in <module>\), not in a collective", text), text
+    # rank 0 is in its wait loop: in the sleep (13), or at the loop's test (12) when the
+    # signal came between two sleeps (a moment, longer when it waits for a busy core)
+    assert re.search(r"rank 0: runs \S+:1[23] \(in <module>\), not in a collective", text), text
     assert re.search(r"rank 1: runs \S+:6 \(in <module>\), not in a collective", text), text
     assert "--- rank 1 ---" in text and "innermost __init__.py" in text.split("--- rank 1 ---")[1]
     # the cell went on and finished on both ranks (its output came at its end)
