@@ -43,15 +43,18 @@ def two_hosts():
 # module fixtures and a notebook's cells stay in one process; except that the modules in
 # MACHINE_MODULES, which make namespace hosts, start a Ray or a Slurm, or drive a browser,
 # form one group: they count processes and ports machine-wide, so they run one after
-# another, never two at once. The modules in SOLO_MODULES time shaped links and compare the
-# figures with the link's rate (the doctor, the what-if check): beside another test's MPI
-# ranks, which spin on both cores, their ranks wait for a core mid-measurement and the
-# figures are off by a third. They form the group run last, alone: it waits until the
-# other worker has finished.
-MACHINE, SOLO = "machine", "solo"
+# another, never two at once. The tests in SOLO (modules, or module::test) run the doctor
+# and need its timings to mean something: they compare them with a shaped link's rate (the
+# doctor, the what-if check), or need a sweep that fits a bandwidth (the panel's prediction
+# from the doctor). Beside another test's MPI ranks, which spin on both cores, their ranks
+# wait for a core mid-measurement: figures off by a third, sweeps that fit no bandwidth.
+# They form the group run last, alone: it waits until the other worker has finished.
+MACHINE = "machine"
 MACHINE_MODULES = {"test_browser", "test_gloo_hosts", "test_multihost", "test_ray",
                    "test_ray_pool", "test_slurm"}
-SOLO_MODULES = {"test_doctor", "test_whatif"}
+SOLO = "solo"
+SOLO_TESTS = {"test_doctor", "test_whatif",
+              "test_browser::test_predicted_beside_measured_in_jupyterlab"}
 
 
 def group_of(nodeid: str) -> str:
@@ -59,12 +62,16 @@ def group_of(nodeid: str) -> str:
 
     >>> group_of("tests/test_ray.py::test_x[2]"), group_of("notebooks/a.ipynb::Cell 1")
     ('machine', 'notebooks/a.ipynb')
-    >>> group_of("tests/test_doctor.py::test_y")
+    >>> group_of("tests/test_doctor.py::test_y"), group_of("tests/test_browser.py::test_z")
+    ('solo', 'machine')
+    >>> group_of("tests/test_browser.py::test_predicted_beside_measured_in_jupyterlab[ray]")
     'solo'
     """
-    path = nodeid.split("::", 1)[0]
+    path, _, test = nodeid.partition("::")
     stem = Path(path).stem
-    return MACHINE if stem in MACHINE_MODULES else SOLO if stem in SOLO_MODULES else path
+    if stem in SOLO_TESTS or f"{stem}::{test.split('[', 1)[0]}" in SOLO_TESTS:
+        return SOLO
+    return MACHINE if stem in MACHINE_MODULES else path
 
 
 @pytest.hookimpl(optionalhook=True)

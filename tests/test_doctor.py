@@ -118,6 +118,20 @@ def test_analyse_asks_for_both_model_inputs():
     assert rep.prediction is None and any("--step-time" in n for n in rep.notes)
 
 
+def test_a_sweep_that_fits_no_bandwidth_says_so_instead_of_infinity():
+    # a sweep measured beside other processes' busy ranks: the 4 KiB allreduces waited for
+    # a core longer than the 4 MiB ones took
+    sizes = [1 << 12, 1 << 16, 1 << 20, 4 << 20]
+    sweep = {"sizes": sizes, "times_s": [3.1e-3, 2.0e-3, 2.2e-3, 1.9e-3]}
+    rep = D.analyse(_probe([_rank(0, "h"), _rank(1, "h")], sweep=sweep))
+    text = D.render_text(rep)
+    assert rep.allreduce is None and "inf" not in text, text
+    assert "note: the allreduce sweep took no longer for larger messages (4 KiB 3.10 ms, " \
+        "64 KiB 2.00 ms, 1 MiB 2.20 ms, 4 MiB 1.90 ms)" in text and "machine is quiet" in text
+    from hvd_magic.widgets.predicted import link_of
+    assert link_of(rep, {"h": 2}) is None          # the panel falls back on its defaults
+
+
 def test_gradient_bytes_of_a_torch_model():
     torch = pytest.importorskip("torch")
     m = torch.nn.Linear(10, 5)            # 55 float32 parameters

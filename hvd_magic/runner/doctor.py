@@ -191,7 +191,11 @@ def analyse(probe: Mapping[str, Any], model_bytes: Optional[float] = None,
                          "to measure")
     sweep = probe.get("allreduce")
     if sweep and n >= 2 and len(set(sweep["sizes"])) >= 2:
-        rep.allreduce = fit_allreduce(sweep["sizes"], sweep["times_s"], n)
+        fit = fit_allreduce(sweep["sizes"], sweep["times_s"], n)
+        if fit["slope"] > 0:
+            rep.allreduce = fit
+        else:
+            rep.notes.append(unfit_note(sweep["sizes"], sweep["times_s"]))
     note = eager_note(rep, probe.get("tcp_eager_limit"))
     if note:
         rep.notes.append(note)
@@ -242,6 +246,18 @@ def eager_note(rep: Report, eager_limit: Optional[str]) -> Optional[str]:
             f"receiver's own data on the same connection: try the ranks with {settings} "
             "(docs/doctor.md: on 2 hosts at 0.5 Gbit/s it took the allreduce from 0.24 to "
             "0.47 Gbit/s)")
+
+
+def unfit_note(sizes: Sequence[int], times: Sequence[float]) -> str:
+    """Why a sweep whose larger allreduces did not take longer fits no bandwidth."""
+    pts = ", ".join(f"{_size(s)} {t * 1e3:.2f} ms" for s, t in sorted(zip(sizes, times)))
+    return (f"the allreduce sweep took no longer for larger messages ({pts}), so no "
+            "bandwidth fits it: other processes were most likely running on these cores; "
+            "run the doctor again when the machine is quiet")
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
 
 
 def _bottleneck(rep: Report) -> Tuple[Optional[float], float]:
