@@ -99,6 +99,28 @@ def test_multi_host_plan_listens_on_the_reachable_address_only():
     assert "0.0.0.0" not in " ".join(plan.controller_argv)
 
 
+def test_controller_ports_are_free_and_outside_the_range_the_os_hands_out(tmp_path,
+                                                                          monkeypatch):
+    import socket
+    from hvd_magic.kernel.notebook import ports
+    assert ports.candidates(32768, 60999) == range(22768, 32768)
+    assert ports.candidates(1024, 60999) == range(61000, 65536)   # nothing below: above
+    assert ports.candidates(20000, 65535) == range(10000, 20000)
+    bad = tmp_path / "range"
+    bad.write_text("garbage")
+    assert ports.os_range(str(bad)) == (32768, 60999)
+    lo, hi = ports.os_range()
+    chosen = ports.controller_ports(16)
+    assert len(set(chosen)) == 16 and not any(lo <= p <= hi for p in chosen), chosen
+    monkeypatch.setattr(ports, "candidates", lambda lo, hi: chosen[:3])
+    with socket.socket() as s:                     # one of three taken: the other two
+        s.bind(("", chosen[0]))
+        s.listen()
+        assert sorted(ports.controller_ports(2)) == sorted(chosen[1:3])
+        with pytest.raises(RuntimeError, match="no 3 free TCP ports"):
+            ports.controller_ports(3)
+
+
 def test_hostfile_is_passed_to_mpiexec():
     plan = plan_pool(config(np=2, hostfile="/h/hosts", hosts=[Host("n1", 2)],
                             controller_ip="10.0.0.5", ports=list(range(5000, 5016))))

@@ -14,6 +14,7 @@ from ...runner.plan import Host
 from .output import OutputSink, n_ranks
 from .plan import NO_NAMESPACE, PoolConfig, plan_pool
 from .pool import Pool
+from .ports import controller_ports
 
 
 def _local_ip_towards(host: str) -> str:
@@ -60,8 +61,7 @@ def make_config(np: int, hosts: Optional[List[Host]] = None, hostfile: Optional[
         else:
             remote = next(h.name for h in hosts or [] if h.name not in names)
         controller_ip = _local_ip_towards(remote)
-        from ipyparallel.util import select_random_ports
-        ports = select_random_ports(16)
+        ports = controller_ports(16)
     netns = single and launch.netns_wanted(environ) and launch.netns_available()
     return PoolConfig(np=np, workdir=workdir, key=secrets.token_hex(16), hosts=hosts,
                       hostfile=hostfile, mpiexec=info.path, mpi_impl=info.impl,

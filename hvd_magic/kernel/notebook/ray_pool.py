@@ -48,6 +48,7 @@ from .output import OutputSink, PoolError, n_ranks
 from .plan import CLUSTER_ID, NO_NAMESPACE, PoolConfig, PoolPlan, check_request, connection_info, \
     controller_argv, stacks_dir
 from .pool import DIGEST_HISTORY, Pool
+from .ports import controller_ports
 from .procs import RankExit, describe_exit, descendants, spawn, stop_tree, tail
 
 #: How often the kernel asks the actors whether their engines still run (seconds).
@@ -420,9 +421,8 @@ class RayPool(Pool):
             self.ranks = HostedRanks(workdir) if hosted else RayRanks()
             gcs = self.ranks.connect(self.config.ray, self.config.np)
             if not local:
-                from ipyparallel.util import select_random_ports
                 self.config.controller_ip = _address_towards(gcs.rsplit(":", 1)[0])
-                self.config.ports = select_random_ports(16)
+                self.config.ports = controller_ports(16)
             self.plan = plan = plan_ray_pool(self.config, local)
             os.makedirs(os.path.dirname(plan.engine_file), mode=0o700, exist_ok=True)
             os.makedirs(stacks_dir(workdir), mode=0o700, exist_ok=True)
