@@ -227,6 +227,31 @@ def test_pool_sockets_files_and_clean_stop(manager, capsys):
     assert not os.path.exists(workdir)
 
 
+def test_stop_lets_each_rank_end_as_a_script_does(tmp_path):
+    """`%hvd stop` (the pool's stop): every rank's atexit handlers run and a file a cell
+    left open is flushed, as at the end of a script under hvdrun; the ranks end cleanly."""
+    m = PoolManager()
+    try:
+        pool = m.ensure(2, None, None, TextSink())
+        pool.run_cell(f"""import atexit, hvd_magic.collectives as hvd
+r = hvd.rank()
+atexit.register(lambda: open("{tmp_path}/atexit-%d" % r, "w").write("saved %d" % r))
+log = open("{tmp_path}/log-%d" % r, "w")
+log.write("step 1 of rank %d" % r)""", TextSink())
+        mpiexec = pool.mpiexec
+        t0 = time.monotonic()
+        assert m.stop()
+        took = time.monotonic() - t0
+    finally:
+        m.stop()
+    for r in (0, 1):
+        assert (tmp_path / f"atexit-{r}").read_text() == f"saved {r}"
+        assert (tmp_path / f"log-{r}").read_text() == f"step 1 of rank {r}"
+    assert mpiexec.returncode == 0, mpiexec.returncode       # no rank failed on its way out
+    assert took < 10, took                                      # a hang guard only
+    assert not wait_no_pool_processes(1.0)
+
+
 def test_without_a_namespace_the_pool_says_so_and_keeps_its_own_sockets_local(monkeypatch,
                                                                                capsys):
     monkeypatch.setenv("HVD_MAGIC_NETNS", "0")

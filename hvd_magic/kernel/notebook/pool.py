@@ -33,7 +33,7 @@ from .output import OutputSink, PoolCellError, PoolCellInterrupted, PoolCellTime
 from .plan import HEARTBEAT_MISSES, PoolConfig, PoolPlan, plan_pool, stacks_dir
 from .settle import settle
 from .procs import descendants, describe_exit, end_job_first, parse_rank_exits, pids_gone, \
-    spawn, stop_tree, tail
+    spawn, stop_tree, tail, wait_until
 
 #: Message signatures the pool's client remembers (jupyter_client's default is 65,536).
 DIGEST_HISTORY = 4096
@@ -41,6 +41,9 @@ DIGEST_HISTORY = 4096
 SWITCH_TIMEOUT = 30.0
 #: Seconds a finished cell waits at most for the rest of its ranks' output.
 OUTPUT_WAIT_S = 5.0
+#: Seconds the ranks have to end as Python processes do (atexit handlers, files flushed,
+#: MPI finalized) once the pool's stop asks them to; then they are killed.
+EXIT_GRACE_S = 3.0
 
 
 _POOLS: "weakref.WeakSet[Pool]" = weakref.WeakSet()
@@ -223,6 +226,7 @@ class Pool:
 
     def stop(self) -> None:
         """Stop everything this pool started (idempotent); no process is left behind."""
+        self._end_gracefully()
         if self.plan is not None and not self.plan.single_host:
             end_job_first(self.mpiexec, self.client, self.controller)
         if self.client is not None:
@@ -236,11 +240,31 @@ class Pool:
             stop_tree([self.mpiexec], [self.controller], self.known)
         self.controller = self.mpiexec = None
         self.known = []
-        if self.ended is None:
-            self.ended = "stopped"
         if self.config.workdir.startswith(short_tmp()) and "hvdm-" in self.config.workdir:
             shutil.rmtree(self.config.workdir, ignore_errors=True)
         _POOLS.discard(self)
+
+    def _end_gracefully(self) -> None:
+        """The start of :meth:`stop`: the pool is marked stopped, and every rank's engine
+        asked to exit as a script's process ends (its ``atexit`` handlers run, its open
+        files are flushed: a cell's checkpoint writer, TF's temporary files), with
+        :data:`EXIT_GRACE_S` to do so. Not when the pool had ended already, nor while a cell
+        is in flight (a rank that runs code does not take the request): killed at once."""
+        if self.ended is not None:
+            return
+        self.ended = "stopped"
+        client = self.client
+        if client is None or client.outstanding:
+            return
+        try:
+            client.shutdown(targets="all", block=False)
+        except Exception:  # noqa: BLE001 - the ranks are killed next anyway
+            return
+        wait_until(self._engines_gone, EXIT_GRACE_S)
+
+    def _engines_gone(self) -> bool:
+        """Whether every rank's engine has ended (mpiexec ends with its last rank)."""
+        return self.mpiexec is None or self.mpiexec.poll() is not None
 
     # ------------------------------------------------------------------ cells
     def targets(self, ranks: Optional[Sequence[int]]) -> List[int]:

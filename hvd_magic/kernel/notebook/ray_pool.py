@@ -497,10 +497,15 @@ class RayPool(Pool):
     def stop(self) -> None:
         """Stop the engines, the actors (and their placement group), the controller; then
         the Ray instance this pool started (or this kernel's connection it opened)."""
+        self._end_gracefully()
         ranks, self.ranks = self.ranks, None
         if ranks is not None:
             ranks.stop()
         super().stop()
+
+    def _engines_gone(self) -> bool:
+        self._poll()
+        return self.ranks is None or len(self.exits) >= self.size
 
     # ------------------------------------------------------------------ liveness
     def _poll(self, wait: float = 0.0) -> None:

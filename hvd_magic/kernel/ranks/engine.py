@@ -98,7 +98,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     no_mpi = any(a.startswith("--IPEngine.id=") for a in args) or calls.joined()
     sys.argv = [sys.argv[0]] + [a for a in ENGINE_ARGS if not (no_mpi and a == "--mpi")] + args
     from ipyparallel.engine.app import main as engine_main
-    engine_main()
+    try:
+        engine_main()
+    except RuntimeError as exc:
+        # ipyparallel's engine ends this way when it is asked to shut down (the kernel
+        # stops the loop that waits for the engine's end): a clean exit, not a failure
+        if "Event loop stopped before Future completed" not in str(exc):
+            raise
 
 
 if __name__ == "__main__":
