@@ -364,6 +364,7 @@ def test_hvd_stacks_on_a_ray_pool_shows_the_rank_on_each_node(on_cluster):
 def test_stop_leaves_no_engine_or_ray_worker_behind(on_cluster):
     res, _ = on_cluster
     assert res["stopped_clean"] and res["left_after_stop"] == [], res["left_after_stop"]
+    assert res["atexit_ran_on"] == ["0", "1"], res["atexit_ran_on"]
 
 
 @pytest.mark.slow

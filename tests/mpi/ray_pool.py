@@ -6,7 +6,7 @@ host for a cluster): ``python ray_pool.py SCENARIO [ADDRESS NS_A NS_B]``; prints
 allreduce, state kept between cells, ``%hvd status``, a cell's telemetry (the panel's data,
 in its text form), ``%hvd stacks`` while a cell runs,
 where the controller listens, ``%hvd export`` of the first two cells (the Ray driver it writes
-is run after ``%hvd stop``), ``%hvd stop``; then a new pool, a cell that runs while rank 1's engine is killed, and how
+is run after ``%hvd stop``), ``%hvd stop`` (the ranks' atexit handlers run); then a new pool, a cell that runs while rank 1's engine is killed, and how
 long until the cell ended and what it said.
 
 ``local``: ``%%hvd -np 2 --ray`` (a Ray started for the pool): an allreduce, what the Ray
@@ -157,8 +157,14 @@ if scenario == "cluster":
     cell.join(60)
     res["stacks_cell_ok"] = done.get("ok")
     engines = list(pool.engine_pids.values())
+    # each rank ends as a script's process does: its atexit handlers run
+    ended = tempfile.mkdtemp(prefix="hvd-atexit-")
+    shell.run_cell_magic("hvd", "", "import atexit\natexit.register(lambda: open("
+                         f"'{ended}/%d' % hvd.rank(), 'w').write('saved'))\n")
     shell.run_line_magic("hvd", "stop")
     res["stopped_clean"] = gone_within(engines, 10.0)
+    res["atexit_ran_on"] = sorted(os.listdir(ended))
+    shutil.rmtree(ended)
     time.sleep(1.0)
     res["left_after_stop"] = engines_and_workers()
     # the exported script, as its header says to run it (its workers get this process's
