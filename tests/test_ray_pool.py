@@ -44,7 +44,8 @@ def test_a_local_ray_pool_started_and_stopped_with_the_pool(netns):
         assert netns == "0" or netns_hosts.unusable_reason()
         assert "listens on this machine's addresses" in res["start_text"], res["start_text"]
     assert res["killed"].startswith("RankDiedError") and \
-        "rank 1 died: killed by signal SIGKILL" in res["killed"], res["killed"]
+        "rank 1 died: killed by signal SIGKILL" in res["killed"], \
+        (res["killed"], res["killed_timing"])
     # the Ray processes the pool started are gone after %hvd stop
     assert res["stopped_clean"] and res["left"] == [], res["left"]
 

@@ -220,11 +220,15 @@ elif scenario == "local":
     victim = pool.engine_pids[1]
     actor = psutil.Process(victim).ppid()
 
+    stalled = {}
+
     def kill_and_stall_the_actor():
         os.kill(actor, signal.SIGSTOP)
         os.kill(victim, signal.SIGKILL)
+        stalled["at"] = time.monotonic()
         time.sleep(4.0)
         os.kill(actor, signal.SIGCONT)
+        stalled["resumed_after_s"] = time.monotonic() - stalled["at"]
 
     threading.Timer(2.0, kill_and_stall_the_actor).start()
     try:
@@ -232,6 +236,9 @@ elif scenario == "local":
         res["killed"] = "no exception"
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         res["killed"] = f"{type(exc).__name__}: {exc}"
+    # when the cell ended, from the kill (the actor answers after its SIGCONT, 4 s)
+    res["killed_timing"] = {"cell_ended_after_s": time.monotonic() - stalled.get("at", 0.0),
+                            "actor_resumed_after_s": stalled.get("resumed_after_s")}
     started = list(set(started) | {p.pid for p in me.children(recursive=True)})
     shell.run_line_magic("hvd", "stop")
     res["stopped_clean"] = gone_within(started, 15.0)
