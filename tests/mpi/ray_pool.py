@@ -237,8 +237,10 @@ elif scenario == "local":
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         res["killed"] = f"{type(exc).__name__}: {exc}"
     # when the cell ended, from the kill (the actor answers after its SIGCONT, 4 s)
-    res["killed_timing"] = {"cell_ended_after_s": time.monotonic() - stalled.get("at", 0.0),
-                            "actor_resumed_after_s": stalled.get("resumed_after_s")}
+    ended_at = time.monotonic()
+    res["killed_timing"] = {
+        "cell_ended_after_s": ended_at - stalled["at"] if "at" in stalled else None,
+        "actor_resumed_after_s": stalled.get("resumed_after_s")}
     started = list(set(started) | {p.pid for p in me.children(recursive=True)})
     shell.run_line_magic("hvd", "stop")
     res["stopped_clean"] = gone_within(started, 15.0)

@@ -3,9 +3,8 @@
 A port that is free now can be taken before the controller binds it. A port from the range
 the OS hands out for ``bind(("", 0))`` and ``connect()`` (``ip_local_port_range``) is taken
 that way by chance: the MPI launcher and the ranks, which start beside the controller,
-listen on such ports (a test here: 6 later ``bind(0)`` calls took one of 16 ports chosen
-that way in 29 of 3,000 tries). So the ports come from below that range, where only a
-process that names the port can take it, and each is checked free by binding it.
+listen on such ports. So the ports come from below that range, where only a process that
+names the port can take it, and each is checked free by binding it.
 """
 from __future__ import annotations
 
