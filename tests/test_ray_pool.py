@@ -50,6 +50,38 @@ def test_a_local_ray_pool_started_and_stopped_with_the_pool(netns):
     assert res["stopped_clean"] and res["left"] == [], res["left"]
 
 
+# A host that answers as ray_host does: a question sent without waiting, asked within
+# POLL_S of its last round, is answered at once with nothing; one that may wait is answered
+# by a round asked after it arrived, which here finds rank 1 ended.
+SCRIPTED_HOST = """
+import json, sys
+for line in sys.stdin:
+    req = json.loads(line)
+    if req["cmd"] == "poll":
+        exits = {"1": "killed by signal SIGKILL"} if req["wait"] > 0 else {}
+        print(json.dumps({"exits": exits}), flush=True)
+    elif req["cmd"] == "stop":
+        break
+"""
+
+
+def test_a_wait_for_the_actors_report_rests_on_a_question_asked_after_it(tmp_path):
+    """The cell's wait loop asks the host without waiting; when the heartbeat then says a
+    rank is gone, the pool waits for the actors' report. The reply to the earlier question
+    (sent before the rank died, or answered without asking the actors) must not end that
+    wait: it once made a killed rank read 'stopped answering the heartbeat'."""
+    import time
+    from hvd_magic.kernel.notebook.ray_pool import HostedRanks
+    ranks = HostedRanks(str(tmp_path), host=[sys.executable, "-c", SCRIPTED_HOST])
+    ranks.np = 2
+    try:
+        assert ranks.poll() == {}            # asked; the answer comes later
+        time.sleep(0.3)                      # ... and is waiting when the wait begins
+        assert ranks.poll(wait=5.0) == {1: "killed by signal SIGKILL"}
+    finally:
+        ranks.stop()
+
+
 @pytest.mark.parametrize("line, address", [("-np 2 --ray", "local"),
                                            ("--ray 10.0.0.1:6379 -np 2", "10.0.0.1:6379"),
                                            ("-np 2 --ray auto", "auto"), ("-np 2", None)])

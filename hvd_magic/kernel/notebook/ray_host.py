@@ -39,8 +39,7 @@ def main() -> None:
                 elif cmd == "place":
                     reply(ranks.place(int(req["np"]), dict(req["env"]), float(req["limit"])))
                 elif cmd == "poll":
-                    exits = ranks.poll(float(req.get("wait", 0.0)))
-                    reply({"exits": exits, "pending": ranks.pending})
+                    reply({"exits": ranks.poll(float(req.get("wait", 0.0)))})
                 elif cmd == "stop":
                     break
             except Exception as exc:  # noqa: BLE001 - the kernel shows it

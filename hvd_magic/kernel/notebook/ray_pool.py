@@ -38,7 +38,7 @@ import sys
 import tempfile
 import time
 from dataclasses import replace
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from ... import config as settings
 from ...runner.options import RAY_LOCAL
@@ -212,28 +212,37 @@ class RayRanks:
         return {"nodes": self.executor.nodes, "pids": self.pids,
                 "alive": len([n for n in ray.nodes() if n.get("Alive")])}
 
-    @property
-    def pending(self) -> bool:
-        """Whether some actor has not answered the last question yet (the last :meth:`poll`
-        said nothing because the answer was not complete)."""
-        return self._polls is not None
-
     def poll(self, wait: float = 0.0) -> Dict[int, str]:
-        """Ask every actor whether its engine still runs (at most every :data:`POLL_S` s,
-        without blocking unless ``wait``): rank -> how it ended, for those that did."""
+        """Ask every actor whether its engine still runs: rank -> how it ended, for those
+        that did. Without ``wait``, at most every :data:`POLL_S` s and without blocking;
+        with ``wait``, the answer rests on a round of questions asked after this call
+        (so an engine that ended just before it is seen), waiting up to ``wait`` s."""
         executor = self.executor
         if executor is None or not executor.workers:
             return {}
         import ray
-        if self._polls is None:
-            if not wait and time.monotonic() - self._polled < POLL_S:
+        since = time.monotonic()
+        deadline = since + wait
+        while True:
+            if self._polls is None:
+                if not wait and time.monotonic() - self._polled < POLL_S:
+                    return {}
+                self._polls = [w.execute.remote(engine_exit) for w in executor.workers]
+                self._polled = time.monotonic()
+            asked = self._polled
+            ready, _ = ray.wait(self._polls, num_returns=len(self._polls),
+                                timeout=max(0.0, deadline - time.monotonic()))
+            if len(ready) < len(self._polls):
                 return {}
-            self._polls = [w.execute.remote(engine_exit) for w in executor.workers]
-            self._polled = time.monotonic()
-        ready, _ = ray.wait(self._polls, num_returns=len(self._polls), timeout=wait)
-        if len(ready) < len(self._polls):
-            return {}
-        polls, self._polls = self._polls, None
+            polls, self._polls = self._polls, None
+            exits = self._answers(polls)
+            if exits or not wait or asked >= since or time.monotonic() >= deadline:
+                return exits
+
+    def _answers(self, polls: List[Any]) -> Dict[int, str]:
+        """A complete round's answers: rank -> how its engine (or actor) ended."""
+        import ray
+        executor = self.executor
         exits: Dict[int, str] = {}
         for r, ref in enumerate(polls):
             node = executor.nodes[r] if r < len(executor.nodes) else {}
@@ -295,13 +304,14 @@ class HostedRanks:
     loopback-only network namespace: the same calls, as JSON lines over its stdin/stdout.
     The host stops its Ray when its stdin closes (this kernel ended)."""
 
-    def __init__(self, workdir: str) -> None:
+    def __init__(self, workdir: str, host: Sequence[str] = ()) -> None:
+        """``host``: the command of the host process (:mod:`.ray_host` unless given)."""
         import queue
         import threading
         log = os.open(os.path.join(workdir, "ray_host.log"), os.O_WRONLY | os.O_CREAT, 0o600)
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "hvd_magic.kernel.notebook.ray_host"],
+                list(host) or [sys.executable, "-m", "hvd_magic.kernel.notebook.ray_host"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
                 start_new_session=True)
         finally:
@@ -350,27 +360,41 @@ class HostedRanks:
         return reply
 
     def poll(self, wait: float = 0.0) -> Dict[int, str]:
-        """As :meth:`RayRanks.poll`: with ``wait``, asks again until every actor answered
-        (a question sent without waiting may still be on its way) or ``wait`` s passed."""
+        """As :meth:`RayRanks.poll`. Without ``wait``, a question is sent and its answer
+        read at a later call; with ``wait``, an answer still on its way is read first (it
+        may name an exit), then a question asked now is answered within ``wait`` s."""
         import queue
         deadline = time.monotonic() + wait
-        while True:
-            if not self._waiting:
-                if not wait and time.monotonic() - self._polled < POLL_S:
+        if not self._waiting:
+            if not wait:
+                if time.monotonic() - self._polled < POLL_S:
                     return {}
-                self._send({"cmd": "poll", "wait": max(0.0, deadline - time.monotonic())})
+                self._send({"cmd": "poll", "wait": 0.0})
                 self._waiting, self._polled = True, time.monotonic()
+                return {}
+        else:
             try:
-                reply = self.replies.get(timeout=deadline - time.monotonic() + 1.0) if wait \
+                reply = self.replies.get(timeout=wait + 1.0) if wait \
                     else self.replies.get_nowait()
             except queue.Empty:
                 return {}
             self._waiting = False
-            if "error" in reply:
-                return {r: f"was lost: {reply['error']}" for r in range(self.np)}
-            exits = {int(r): how for r, how in reply.get("exits", {}).items()}
-            if exits or not reply.get("pending") or time.monotonic() >= deadline:
+            exits = self._exits(reply)
+            if exits or not wait or time.monotonic() >= deadline:
                 return exits
+        self._send({"cmd": "poll", "wait": deadline - time.monotonic()})
+        self._polled = time.monotonic()
+        try:
+            reply = self.replies.get(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
+        except queue.Empty:
+            self._waiting = True        # its reply is read by the next poll
+            return {}
+        return self._exits(reply)
+
+    def _exits(self, reply: Dict[str, Any]) -> Dict[int, str]:
+        if "error" in reply:
+            return {r: f"was lost: {reply['error']}" for r in range(self.np)}
+        return {int(r): how for r, how in reply.get("exits", {}).items()}
 
     def stop(self) -> None:
         if self.proc.poll() is None:
