@@ -183,11 +183,12 @@ _VARS = [
         "%autohvd options that every cell runs with (the hvd_magic Jupyter kernel sets it)"),
     # -- the live panel
     Var("HVD_MAGIC_WIDGETS", "bool", True, "0: text output instead of the live panel"),
-    Var("HVD_MAGIC_TELEMETRY_INTERVAL", "float", 0.5,
-        "seconds between the ranks' telemetry batches while a live cell runs"),
+    Var("HVD_MAGIC_TELEMETRY_INTERVAL", "float", 1.0,
+        "seconds between the ranks' telemetry batches while a live cell runs (the live panel "
+        "redraws as often)"),
     Var("HVD_MAGIC_TELEMETRY_MAX_SPANS", "int", 50,
-        "timeline spans per telemetry batch (the newest; with the interval's 0.5 s, about "
-        "one span per pixel of the live timeline's 10 s window); 0: all"),
+        "timeline spans per telemetry batch (the newest; a loop with more is sampled, a slice "
+        "of each interval); 0: all"),
     Var("HVD_MAGIC_RENDER_THREAD", "bool", True,
         "0: live panels redraw on the kernel's main thread instead of a background thread"),
     Var("HVD_MAGIC_KEEP_BOKEHJS", "bool", False,

@@ -80,16 +80,18 @@ class WidgetSink:
     redraw_in_background = config.get("HVD_MAGIC_RENDER_THREAD")
 
     def __init__(self, ranks: Optional[Sequence[int]] = None, max_lines: int = 200,
-                 refresh: float = 0.45, rollover: int = 3000) -> None:
+                 refresh: Optional[float] = None, rollover: int = 3000) -> None:
+        """``refresh``: the least seconds between two redraws (default: 0.9 of the
+        telemetry interval, so each batch of the ranks is drawn once)."""
         import ipywidgets as W
         from IPython.display import display
         self.W = W
         self.lock = threading.RLock()
-        self.refresh = refresh
+        self.telemetry_interval = telemetry_interval()
+        self.refresh = 0.9 * self.telemetry_interval if refresh is None else refresh
         self.rollover = rollover
         self.max_lines = max_lines
         self.cell: Optional[CellState] = CellState(list(ranks or []), max_lines=max_lines)
-        self.telemetry_interval = telemetry_interval()
         self.batches = 0
         self.code, self.size = "", 0
         self._pending_rows: List[Any] = []
@@ -197,7 +199,8 @@ class WidgetSink:
             self.cell.stream(rank, name, text)
         if rank not in self.lanes:
             self._set_ranks(self.cell.ranks)
-        self._maybe_render()
+        if not self.redraw_in_background:   # (else the low-priority thread draws it)
+            self._maybe_render()
 
     def display(self, rank: int, data: Mapping[str, Any], metadata: Mapping[str, Any]) -> None:
         if set(data) <= {"text/plain"}:

@@ -23,8 +23,8 @@ class _Renderer:
     """
 
     # Look at the panels this often; each redraws only when something changed and its own
-    # ``refresh`` (0.45 s) has passed: twice a second while output and batches arrive,
-    # not at all while nothing does.
+    # ``refresh`` (0.9 of the telemetry interval) has passed: about once a second while
+    # output and batches arrive, not at all while nothing does.
     period = 0.25
 
     def __init__(self) -> None:

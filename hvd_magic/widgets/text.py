@@ -11,12 +11,12 @@ from .session import session
 
 
 def telemetry_interval() -> float:
-    """Seconds between telemetry batches: ``HVD_MAGIC_TELEMETRY_INTERVAL`` (default 0.5),
+    """Seconds between telemetry batches: ``HVD_MAGIC_TELEMETRY_INTERVAL`` (default 1),
     read when a sink is made."""
     from .. import config
     value = config.get("HVD_MAGIC_TELEMETRY_INTERVAL")
     if value <= 0:
-        raise ValueError(f"HVD_MAGIC_TELEMETRY_INTERVAL={value:g}: use seconds > 0, e.g. 0.5")
+        raise ValueError(f"HVD_MAGIC_TELEMETRY_INTERVAL={value:g}: use seconds > 0, e.g. 1")
     return value
 
 
