@@ -146,10 +146,15 @@ def test_an_elastic_renumbering_starts_a_new_watcher_and_ends_the_old_one(tmp_pa
     """hvd.init() again (an elastic reset) as the same rank keeps the watcher; as another
     rank (renumbered) it replaces it, and the old one ends with its dump file."""
     code = """
-import json, psutil
+import json, psutil, time
 from hvd_magic.stacks import dump
+def cmdline(c):     # a child that has just started may show an empty one for a moment
+    deadline = time.monotonic() + 10
+    while not c.cmdline() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return c.cmdline()
 def watchers():     # (pid, rank, dump file) of each watcher this process runs
-    return [(c.pid, c.cmdline()[-4], c.cmdline()[-1]) for c in psutil.Process().children()]
+    return [(c.pid, cmdline(c)[-4], cmdline(c)[-1]) for c in psutil.Process().children()]
 seen = []
 for rank in (1, 1, 0):
     dump.install(rank)
