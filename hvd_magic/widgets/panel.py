@@ -199,8 +199,7 @@ class WidgetSink:
             self.cell.stream(rank, name, text)
         if rank not in self.lanes:
             self._set_ranks(self.cell.ranks)
-        if not self.redraw_in_background:   # (else the low-priority thread draws it)
-            self._maybe_render()
+        # (drawn by the low-priority thread, or by ``poll`` right after the output is read)
 
     def display(self, rank: int, data: Mapping[str, Any], metadata: Mapping[str, Any]) -> None:
         if set(data) <= {"text/plain"}:
